@@ -1,0 +1,27 @@
+# The two commands a newcomer needs: `make quickstart` and `make test`. Both set everything up themselves.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup quickstart test lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+# torch is installed first, pinned, so pip takes the CPU build on disk instead of a multi-GB CUDA build.
+setup: $(BIN)/python
+	$(BIN)/python -m pip install --quiet "torch==2.13.0"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+
+quickstart: setup
+	$(BIN)/python examples/quickstart.py
+
+test: setup
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check trl_distill tests examples
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

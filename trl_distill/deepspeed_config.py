@@ -1,0 +1,134 @@
+"""The teacher's own DeepSpeed config: load it, derive it, and fill its ``"auto"`` values.
+
+The teacher never trains, so its config is an inference config: ZeRO stage 3 (parameters partitioned across
+ranks), no optimizer, no scheduler. Its ``"auto"`` values are filled from the same `TrainingArguments` as the
+student's, and its ZeRO-3 bucket sizes from the *teacher's* hidden size (not the student's).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import re
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_DROPPED_BLOCKS = ("optimizer", "scheduler")
+
+
+def load_deepspeed_config(config: str | os.PathLike | dict | None) -> dict | None:
+    """Read a DeepSpeed config given as a dict, a path to a JSON file, or a JSON string.
+
+    Parsing is lenient about trailing commas (as in the examples of accelerate's multi-model guide); any other
+    syntax error names the file, line and column.
+    """
+    if config is None or isinstance(config, dict):
+        return copy.deepcopy(config)
+    text, source = str(config), "<string>"
+    if os.path.exists(text):
+        source = text
+        with open(text, encoding="utf-8") as f:
+            text = f.read()
+    elif not text.lstrip().startswith("{"):
+        raise FileNotFoundError(f"DeepSpeed config file not found: {text!r}. Pass an existing JSON file or a dict.")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    try:
+        return json.loads(re.sub(r",(\s*[}\]])", r"\1", text))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"Invalid JSON in DeepSpeed config {source}, line {e.lineno} column {e.colno}: {e.msg}") from e
+
+
+def derive_teacher_config(student_config: dict | None) -> dict:
+    """A ZeRO-3 inference config for the teacher, following the student's precision settings."""
+    config: dict[str, Any] = {
+        "zero_optimization": {
+            "stage": 3,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+        },
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+    }
+    for key in ("bf16", "fp16"):
+        if student_config and key in student_config:
+            config[key] = {"enabled": student_config[key].get("enabled", "auto")}
+        else:
+            config[key] = {"enabled": "auto"}
+    return config
+
+
+def _fill(config: dict, dotted_key: str, value: Any) -> None:
+    """Replace `config[dotted_key]` by `value` where it is missing-in-a-present-block or ``"auto"``."""
+    *parents, leaf = dotted_key.split(".")
+    node = config
+    for parent in parents:
+        node = node.get(parent)
+        if not isinstance(node, dict):
+            return
+    if node.get(leaf, "auto") == "auto":
+        node[leaf] = value
+
+
+def _remaining_auto(config: Any, prefix: str = "") -> list[str]:
+    if isinstance(config, dict):
+        return [k for key, v in config.items() for k in _remaining_auto(v, f"{prefix}{key}.")]
+    return [prefix.rstrip(".")] if config == "auto" else []
+
+
+def build_teacher_config(
+    teacher_config: str | os.PathLike | dict | None,
+    student_config: dict | None,
+    args,
+    teacher_hidden_size: int,
+) -> dict:
+    """The teacher's effective DeepSpeed config.
+
+    Args:
+        teacher_config: the user's teacher config (path, JSON string or dict), or None to derive a ZeRO-3
+            inference config from `student_config`.
+        student_config: the student's DeepSpeed config (only its precision blocks are read).
+        args: the `TrainingArguments` the student trains with; ``"auto"`` values come from them.
+        teacher_hidden_size: the teacher's hidden size, for the ZeRO-3 bucket sizes.
+    """
+    config = load_deepspeed_config(teacher_config) if teacher_config is not None else None
+    if config is None:
+        config = derive_teacher_config(student_config)
+    dropped = [block for block in _DROPPED_BLOCKS if config.pop(block, None) is not None]
+    if dropped:
+        blocks = " and ".join(dropped)
+        logger.warning(f"The teacher never trains: dropped the {blocks} block(s) of its DeepSpeed config.")
+    config.setdefault("zero_optimization", {"stage": 3})
+    stage = config["zero_optimization"].get("stage", 0)
+    if stage != 3:
+        logger.warning(
+            f"The teacher's DeepSpeed config has ZeRO stage {stage}: every rank will hold the whole teacher. "
+            "Use stage 3 to partition it across ranks."
+        )
+    world_size = getattr(args, "world_size", 1)
+    micro_batch = max(args.per_device_train_batch_size, args.per_device_eval_batch_size)
+    _fill(config, "train_micro_batch_size_per_gpu", micro_batch)
+    _fill(config, "gradient_accumulation_steps", args.gradient_accumulation_steps)
+    _fill(config, "train_batch_size", micro_batch * args.gradient_accumulation_steps * world_size)
+    _fill(config, "gradient_clipping", args.max_grad_norm)
+    _fill(config, "bf16.enabled", bool(args.bf16 or args.bf16_full_eval))
+    _fill(config, "fp16.enabled", bool(args.fp16 or args.fp16_full_eval))
+    h = teacher_hidden_size
+    _fill(config, "zero_optimization.reduce_bucket_size", h * h)
+    if stage == 3:
+        _fill(config, "zero_optimization.stage3_prefetch_bucket_size", int(0.9 * h * h))
+        _fill(config, "zero_optimization.stage3_param_persistence_threshold", 10 * h)
+    left = _remaining_auto(config)
+    if left:
+        raise ValueError(
+            f"The teacher's DeepSpeed config has 'auto' values that cannot be filled: {left}. "
+            "Replace them with numbers."
+        )
+    config.setdefault("steps_per_print", float("inf"))
+    return config

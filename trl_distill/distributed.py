@@ -1,0 +1,73 @@
+"""Make DeepSpeed work on machines without a GPU, with no setup code from the user.
+
+On a CPU-only machine accelerate's `PartialState` picks no backend for DeepSpeed, so the state says one process
+while torch.distributed has several, and the Trainer fails its batch-size check. `TrainingArguments` ignores
+`ddp_backend` on its DeepSpeed branch. The fix (checked against transformers 5.24 / accelerate 1.15): create the
+`PartialState` ourselves with the gloo backend before `TrainingArguments` sets up its devices, and tell it to use
+that configured state.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+
+import torch
+from accelerate import PartialState
+from accelerate.utils import str_to_bool
+
+
+def free_port() -> int:
+    """An unused TCP port on loopback, for a torch.distributed rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _deepspeed_requested(args) -> bool:
+    return bool(getattr(args, "deepspeed", None)) or str_to_bool(os.environ.get("ACCELERATE_USE_DEEPSPEED", "false"))
+
+
+def _has_accelerator() -> bool:
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+def _set_single_process_env() -> None:
+    """`python script.py` with DeepSpeed: DeepSpeed needs a process group even for one process."""
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())),
+        )
+
+
+def _destroy_process_group() -> None:
+    # Without this, a CPU gloo run aborts at interpreter exit (exit code -6).
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def prepare_cpu_deepspeed_state(args) -> None:
+    """If `args` ask for DeepSpeed and there is no GPU, set up a gloo `PartialState` and point `args` at it.
+
+    Call before `TrainingArguments.__post_init__` (our `DistillationConfig` does). A no-op with a GPU, without
+    DeepSpeed, or when the user already configured a state.
+    """
+    if not _deepspeed_requested(args) or _has_accelerator() or getattr(args, "use_cpu", False):
+        return
+    _set_single_process_env()
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    if PartialState._shared_state == {}:
+        PartialState(backend="gloo")
+        atexit.register(_destroy_process_group)
+    accelerator_config = args.accelerator_config
+    if accelerator_config is None:
+        args.accelerator_config = {"use_configured_state": True}
+    elif isinstance(accelerator_config, dict):
+        accelerator_config["use_configured_state"] = True
+    elif isinstance(accelerator_config, str):
+        return  # a JSON file: the user configures the state themselves
+    else:
+        accelerator_config.use_configured_state = True
