@@ -1,0 +1,411 @@
+"""Tests for trl_distill.losses: formulas, TRL oracle, gradcheck, chunked == unchunked, memory, edge cases."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trl_distill.losses import (
+    LOSS_TYPES,
+    DistillationLossOutput,
+    chunked_distillation_loss,
+    chunked_divergence,
+    divergence,
+    per_token_divergence,
+)
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # trl is imported lazily in the oracle test
+
+BETA, ALPHA, TEMP = 0.3, 0.25, 2.0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# From-scratch float64 references (plain probabilities, no log-space tricks)
+# ----------------------------------------------------------------------------------------------------------
+def _kl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a * (a.log() - b.log())).sum(-1)
+
+
+def reference_per_token(s_logits, t_logits, loss_type, beta=BETA, alpha=ALPHA, temperature=TEMP):
+    p = torch.softmax(t_logits.double() / temperature, -1)
+    q = torch.softmax(s_logits.double() / temperature, -1)
+    if loss_type == "forward_kl" or (loss_type == "jsd" and beta == 0):
+        return _kl(p, q)
+    if loss_type == "reverse_kl" or (loss_type == "jsd" and beta == 1):
+        return _kl(q, p)
+    if loss_type == "jsd":
+        m = beta * p + (1 - beta) * q
+        return beta * _kl(p, m) + (1 - beta) * _kl(q, m)
+    if loss_type == "skew_forward_kl":
+        return _kl(p, alpha * p + (1 - alpha) * q)
+    if loss_type == "skew_reverse_kl":
+        return _kl(q, (1 - alpha) * p + alpha * q)
+    assert loss_type == "tvd"
+    return 0.5 * (p - q).abs().sum(-1)
+
+
+def reference_loss(s_logits, t_logits, loss_type, mask, num_items=None, **kw):
+    per_tok = reference_per_token(s_logits, t_logits, loss_type, **kw)[mask]
+    return per_tok.sum() / (num_items if num_items is not None else mask.sum())
+
+
+def _logits(*shape, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * 3).to(dtype), (torch.randn(*shape, generator=g) * 3).to(dtype)
+
+
+def _mask(*shape, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    m = torch.rand(*shape, generator=g) > 0.35
+    m.view(-1)[0] = True
+    return m
+
+
+# ----------------------------------------------------------------------------------------------------------
+# divergence: formulas, TRL oracle, gradcheck
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_items", [None, 37])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_divergence_matches_formula(loss_type, num_items):
+    s, t = _logits(3, 7, 50)
+    mask = _mask(3, 7)
+    kw = {
+        "beta": BETA,
+        "skew_alpha": ALPHA,
+        "temperature": TEMP,
+        "mask": mask,
+        "num_items_in_batch": num_items,
+    }
+    got = divergence(s, t, loss_type, **kw)
+    ref = reference_loss(s, t, loss_type, mask, num_items)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+    # float32 inputs: computed in fp32, still close
+    got32 = divergence(s.float(), t.float(), loss_type, **kw)
+    assert got32.dtype == torch.float32
+    torch.testing.assert_close(got32.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0, 0.5, 0.9])
+def test_jsd_betas_match_formula(beta):
+    s, t = _logits(2, 5, 20, seed=3)
+    mask = _mask(2, 5)
+    got = divergence(s, t, "jsd", beta=beta, temperature=TEMP, mask=mask)
+    torch.testing.assert_close(got, reference_loss(s, t, "jsd", mask, beta=beta), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0, 0.6])
+def test_skew_alpha_endpoints(alpha):
+    s, t = _logits(4, 30, seed=4)
+    mask = torch.ones(4, dtype=torch.bool)
+    for lt in ("skew_forward_kl", "skew_reverse_kl"):
+        got = divergence(s, t, lt, skew_alpha=alpha, temperature=TEMP, mask=mask)
+        torch.testing.assert_close(got, reference_loss(s, t, lt, mask, alpha=alpha), rtol=0, atol=1e-6)
+    # alpha == 0 reduces to plain forward / reverse KL
+    if alpha == 0.0:
+        kw = {"skew_alpha": 0.0, "temperature": TEMP}
+        torch.testing.assert_close(
+            divergence(s, t, "skew_forward_kl", **kw), divergence(s, t, "forward_kl", **kw)
+        )
+        torch.testing.assert_close(
+            divergence(s, t, "skew_reverse_kl", **kw), divergence(s, t, "reverse_kl", **kw)
+        )
+
+
+def test_per_token_shapes():
+    s, t = _logits(6, 11)
+    for lt in LOSS_TYPES:
+        out = per_token_divergence(s.log_softmax(-1), t.log_softmax(-1), lt)
+        assert out.shape == (6,)
+        assert (out >= -1e-12).all()
+
+
+@pytest.mark.parametrize("num_items", [None, 23])
+@pytest.mark.parametrize(("loss_type", "beta"), [("forward_kl", 0.0), ("reverse_kl", 1.0), ("jsd", 0.5)])
+def test_matches_trl_generalized_jsd(loss_type, beta, num_items):
+    from trl.experimental.gkd import GKDTrainer
+
+    s, t = _logits(3, 6, 40, dtype=torch.float32, seed=5)
+    labels = torch.randint(0, 40, (3, 6), generator=torch.Generator().manual_seed(6))
+    labels[0, :2] = -100
+    labels[2, 4:] = -100
+    trl = GKDTrainer.generalized_jsd_loss(
+        s, t, labels=labels, beta=beta, temperature=TEMP, num_items_in_batch=num_items
+    )
+    got = divergence(
+        s, t, loss_type, beta=beta, temperature=TEMP, mask=labels != -100, num_items_in_batch=num_items
+    )
+    torch.testing.assert_close(got, trl, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_divergence_gradcheck(loss_type):
+    s, t = _logits(2, 3, 6, seed=7)
+    s.requires_grad_(True)
+    t.requires_grad_(True)
+    mask = _mask(2, 3)
+
+    def fn(s_, t_):
+        return divergence(s_, t_, loss_type, beta=BETA, skew_alpha=ALPHA, temperature=TEMP, mask=mask)
+
+    assert torch.autograd.gradcheck(fn, (s, t))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Chunked fused path
+# ----------------------------------------------------------------------------------------------------------
+B, T, H_S, H_T, V_S, V_T, VOCAB = 2, 5, 6, 8, 12, 14, 11  # padded vocab: V_T > V_S > VOCAB
+
+
+def _setup(dtype=torch.float32, seed=0, weight_grad=True):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    return {
+        "hs": r(B, T, H_S).requires_grad_(True),
+        "ws": r(V_S, H_S, scale=0.8).requires_grad_(weight_grad),
+        "bs": r(V_S, scale=0.5).requires_grad_(weight_grad),
+        "ht": r(B, T, H_T),
+        "wt": r(V_T, H_T, scale=0.8),
+        "bt": r(V_T, scale=0.5),
+        "mask": _mask(B, T),
+        "labels": torch.randint(0, V_S, (B, T), generator=g),
+    }
+
+
+def _finalise(logits, scale, softcap):
+    logits = logits * scale
+    return softcap * torch.tanh(logits / softcap)
+
+
+CAPS = {
+    "student_logit_scale": 1.3,
+    "teacher_logit_scale": 0.7,
+    "student_softcap": 5.0,
+    "teacher_softcap": 6.0,
+}
+
+
+def _unchunked(d, loss_type, num_items=None, **kw):
+    s_logits = _finalise(d["hs"] @ d["ws"].T + d["bs"], CAPS["student_logit_scale"], CAPS["student_softcap"])
+    with torch.no_grad():
+        t_logits = _finalise(
+            d["ht"] @ d["wt"].T + d["bt"], CAPS["teacher_logit_scale"], CAPS["teacher_softcap"]
+        )
+    kd = divergence(
+        s_logits[..., :VOCAB],
+        t_logits[..., :VOCAB],
+        loss_type,
+        mask=d["mask"],
+        num_items_in_batch=num_items,
+        **kw,
+    )
+    ce_sum = F.cross_entropy(s_logits[d["mask"]], d["labels"][d["mask"]], reduction="sum")
+    ce = ce_sum / (num_items if num_items is not None else d["mask"].sum())
+    return kd, ce
+
+
+def _chunked(d, loss_type, **kw) -> DistillationLossOutput:
+    return chunked_distillation_loss(
+        d["hs"], d["ws"], d["ht"], d["wt"], d["mask"], loss_type, labels=d["labels"],
+        student_lm_head_bias=d["bs"], teacher_lm_head_bias=d["bt"], vocab_size=VOCAB, **CAPS, **kw,
+    )  # fmt: skip
+
+
+def _grads(loss, d):
+    return torch.autograd.grad(loss, [d["hs"], d["ws"], d["bs"]])
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 1000, None])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_chunked_matches_unchunked(loss_type, chunk_size):
+    d = _setup()
+    kw = {"beta": BETA, "skew_alpha": ALPHA, "temperature": TEMP}
+    for num_items in (None, 17):
+        for a, b in ((1.0, 0.0), (0.0, 1.0), (0.7, 0.3)):  # kd-only, ce-only and a mix all back-propagate
+            out = _chunked(d, loss_type, chunk_size=chunk_size, num_items_in_batch=num_items, **kw)
+            kd_ref, ce_ref = _unchunked(d, loss_type, num_items, **kw)
+            torch.testing.assert_close(out.kd, kd_ref, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(out.ce, ce_ref, rtol=1e-5, atol=1e-5)
+            loss = out.kd if b == 0 else out.ce if a == 0 else a * out.kd + b * out.ce
+            for x, y in zip(_grads(loss, d), _grads(a * kd_ref + b * ce_ref, d), strict=True):
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_ce_matches_torch_cross_entropy_full_vocab():
+    d = _setup(seed=3)
+    hs, ws, mask, labels = d["hs"], d["ws"], d["mask"], d["labels"]
+    labels[0, 0] = V_S - 1  # a label beyond vocab_size: CE uses the full student vocabulary
+    out = chunked_distillation_loss(
+        hs, ws, d["ht"], d["wt"], mask, labels=labels, chunk_size=2, vocab_size=VOCAB
+    )
+    ref = F.cross_entropy((hs @ ws.T)[mask], labels[mask])
+    torch.testing.assert_close(out.ce, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_2d_no_mask_and_divergence_wrapper():
+    d = _setup(seed=4)
+    hs, ht = d["hs"].detach().reshape(-1, H_S).requires_grad_(True), d["ht"].reshape(-1, H_T)
+    kd = chunked_divergence(hs, d["ws"], ht, d["wt"], None, "tvd", chunk_size=4, temperature=TEMP)
+    ref = divergence(hs @ d["ws"].T, (ht @ d["wt"].T[:, :V_S]), "tvd", temperature=TEMP)
+    torch.testing.assert_close(kd, ref, rtol=1e-5, atol=1e-6)
+    out = chunked_distillation_loss(hs, d["ws"], ht, d["wt"], loss_type="tvd", chunk_size=4, temperature=TEMP)
+    assert out.ce is None
+    torch.testing.assert_close(out.kd, kd)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_chunked_gradcheck(loss_type):
+    d = _setup(dtype=torch.float64, seed=5)
+    kw = {"beta": BETA, "skew_alpha": ALPHA, "temperature": TEMP, "chunk_size": 3, "num_items_in_batch": 9}
+
+    def fn(hs, ws, bs):
+        out = chunked_distillation_loss(
+            hs, ws, d["ht"], d["wt"], d["mask"], loss_type, labels=d["labels"], student_lm_head_bias=bs,
+            teacher_lm_head_bias=d["bt"], vocab_size=VOCAB, **CAPS, **kw,
+        )  # fmt: skip
+        return out.kd, out.ce
+
+    assert torch.autograd.gradcheck(fn, (d["hs"], d["ws"], d["bs"]))
+    # frozen weight: only the hidden states are differentiable
+    ws = d["ws"].detach()
+    assert torch.autograd.gradcheck(lambda hs: fn(hs, ws, None)[0], (d["hs"],))
+
+
+class _ShapeRecorder(TorchDispatchMode):
+    """Records the shape of every tensor produced by an aten op."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(o, torch.Tensor):
+                self.shapes.add(tuple(o.shape))
+        return out
+
+
+@pytest.mark.parametrize("weight_grad", [False, True])
+def test_frozen_student_weight_allocates_no_weight_buffer(weight_grad):
+    d = _setup(weight_grad=weight_grad)
+    saved: list[tuple[int, ...]] = []
+
+    def pack(x):
+        saved.append(tuple(x.shape))
+        return x
+
+    with _ShapeRecorder() as rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = _chunked(d, "jsd", chunk_size=3)
+        (0.5 * out.kd + 0.5 * out.ce).backward()
+    assert d["hs"].grad is not None and torch.isfinite(d["hs"].grad).all()
+    if weight_grad:  # control: the detector does see the [V, H] buffer when one is needed
+        assert (V_S, H_S) in rec.shapes and (V_S, H_S) in saved
+        assert d["ws"].grad is not None and d["bs"].grad is not None
+    else:
+        assert d["ws"].grad is None and d["bs"].grad is None
+        assert (V_S, H_S) not in rec.shapes and (V_S,) not in rec.shapes  # no weight/bias grad buffers
+        assert (V_S, H_S) not in saved
+
+
+def test_no_grad_mode_skips_gradient_work():
+    d = _setup()
+    ref = _chunked(d, "skew_forward_kl", chunk_size=3)
+    with torch.no_grad(), _ShapeRecorder() as rec:
+        out = _chunked(d, "skew_forward_kl", chunk_size=3)
+    assert not out.kd.requires_grad and not out.ce.requires_grad
+    assert (V_S, H_S) not in rec.shapes  # no weight-grad buffer although ws.requires_grad
+    torch.testing.assert_close(out.kd, ref.kd.detach())
+    torch.testing.assert_close(out.ce, ref.ce.detach())
+
+
+def test_teacher_never_gets_grads():
+    d = _setup()
+    for k in ("ht", "wt", "bt"):
+        d[k].requires_grad_(True)
+    out = _chunked(d, "forward_kl", chunk_size=4)
+    (out.kd + out.ce).backward()
+    assert d["ht"].grad is None and d["wt"].grad is None and d["bt"].grad is None
+    assert d["hs"].grad is not None
+
+
+def test_bf16_close_to_fp32():
+    d32 = _setup(seed=6)
+    d16 = {
+        k: (v.detach().bfloat16().requires_grad_(v.requires_grad) if v.is_floating_point() else v)
+        for k, v in d32.items()
+    }
+    for loss_type in LOSS_TYPES:
+        out16 = _chunked(d16, loss_type, chunk_size=3, temperature=TEMP)
+        out32 = _chunked(d32, loss_type, chunk_size=3, temperature=TEMP)
+        assert out16.kd.dtype == torch.float32 and torch.isfinite(out16.kd) and torch.isfinite(out16.ce)
+        torch.testing.assert_close(out16.kd, out32.kd, rtol=5e-2, atol=2e-2)
+        torch.testing.assert_close(out16.ce, out32.ce, rtol=5e-2, atol=2e-2)
+        g16, g32 = _grads(out16.kd + out16.ce, d16), _grads(out32.kd + out32.ce, d32)
+        for x, y in zip(g16, g32, strict=True):
+            assert x.dtype == torch.bfloat16 and torch.isfinite(x).all()
+            torch.testing.assert_close(x.float(), y, rtol=1e-1, atol=5e-2)
+    # plain divergence on bf16 logits computes in fp32
+    s, t = _logits(4, 9, dtype=torch.bfloat16)
+    assert divergence(s, t, "jsd").dtype == torch.float32
+
+
+@pytest.mark.parametrize("num_items", [None, 0, 5, torch.tensor(5)])
+def test_fully_masked(num_items):
+    s, t = _logits(2, 3, 7)
+    s.requires_grad_(True)
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    for lt in LOSS_TYPES:
+        loss = divergence(s, t, lt, mask=mask, num_items_in_batch=num_items)
+        assert loss.item() == 0.0 and loss.requires_grad
+        (g,) = torch.autograd.grad(loss, s)
+        assert not g.isnan().any() and (g == 0).all()
+
+    d = _setup()
+    d["mask"] = torch.zeros(B, T, dtype=torch.bool)
+    for lt in LOSS_TYPES:
+        out = _chunked(d, lt, chunk_size=3, num_items_in_batch=num_items)
+        assert out.kd.item() == 0.0 and out.ce.item() == 0.0 and out.kd.requires_grad
+        for g in _grads(out.kd + out.ce, d):
+            assert not g.isnan().any() and (g == 0).all()
+
+
+def test_num_items_tensor_equals_int():
+    s, t = _logits(2, 4, 9)
+    mask = _mask(2, 4)
+    a = divergence(s, t, "jsd", mask=mask, num_items_in_batch=torch.tensor(7))
+    torch.testing.assert_close(a, divergence(s, t, "jsd", mask=mask, num_items_in_batch=7))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"loss_type": "kl"}, "valid choices are forward_kl, reverse_kl, jsd"),
+        ({"temperature": 0.0}, "temperature must be > 0"),
+        ({"temperature": -1.0}, "temperature must be > 0"),
+        ({"beta": 1.5}, r"beta must be in \[0, 1\]"),
+        ({"beta": -0.1}, r"beta must be in \[0, 1\]"),
+        ({"skew_alpha": 2.0}, r"skew_alpha must be in \[0, 1\]"),
+    ],
+)
+def test_bad_inputs(kwargs, match):
+    s, t = _logits(2, 5)
+    args = {"loss_type": "jsd", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        divergence(s, t, args.pop("loss_type"), **args)
+    d = _setup()
+    with pytest.raises(ValueError, match=match):
+        chunked_distillation_loss(d["hs"], d["ws"], d["ht"], d["wt"], **{"loss_type": "jsd", **kwargs})
+
+
+def test_vocab_size_too_large():
+    d = _setup()
+    with pytest.raises(ValueError, match=rf"vocab_size={V_T}.*student vocab {V_S}.*teacher vocab {V_T}"):
+        chunked_divergence(d["hs"], d["ws"], d["ht"], d["wt"], vocab_size=V_T)

@@ -1,0 +1,440 @@
+"""Token-level distillation divergences and a chunked, fused lm-head + divergence loss.
+
+Notation: ``p`` is the teacher distribution, ``q`` the student distribution, both ``softmax(logits / T)``.
+All per-token functions take fp32 (or fp64) log-probabilities ``[N, V]`` and return ``[N]``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+__all__ = [
+    "LOSS_TYPES",
+    "DistillationLossOutput",
+    "chunked_distillation_loss",
+    "chunked_divergence",
+    "divergence",
+    "forward_kl",
+    "jsd",
+    "per_token_divergence",
+    "reverse_kl",
+    "skew_forward_kl",
+    "skew_reverse_kl",
+    "tvd",
+]
+
+LOSS_TYPES = ("forward_kl", "reverse_kl", "jsd", "skew_forward_kl", "skew_reverse_kl", "tvd")
+
+# One chunk's fp32 logits hold about this many elements when ``chunk_size`` is None.
+_AUTO_CHUNK_ELEMENTS = 1 << 25
+
+
+# ----------------------------------------------------------------------------------------------------
+# Per-token divergences: log-probs [N, V] -> [N]
+# ----------------------------------------------------------------------------------------------------
+def _kl(logp_a: Tensor, logp_b: Tensor) -> Tensor:
+    """KL(a ‖ b) = Σ_v a·(log a − log b). ``[N, V]`` x2 -> ``[N]``."""
+    return (logp_a.exp() * (logp_a - logp_b)).sum(-1)
+
+
+def _log_mixture(logp_a: Tensor, logp_b: Tensor, weight_a: float) -> Tensor:
+    """log(w·a + (1−w)·b), computed stably with logaddexp. ``[N, V]`` x2 -> ``[N, V]``."""
+    if weight_a == 0.0:
+        return logp_b
+    if weight_a == 1.0:
+        return logp_a
+    return torch.logaddexp(logp_a + math.log(weight_a), logp_b + math.log1p(-weight_a))
+
+
+def forward_kl(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
+    """KL(p ‖ q). ``[N, V]`` x2 -> ``[N]``."""
+    return _kl(teacher_logp, student_logp)
+
+
+def reverse_kl(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
+    """KL(q ‖ p). ``[N, V]`` x2 -> ``[N]``."""
+    return _kl(student_logp, teacher_logp)
+
+
+def jsd(student_logp: Tensor, teacher_logp: Tensor, beta: float = 0.5) -> Tensor:
+    """Generalized JSD_β = β·KL(p ‖ m) + (1−β)·KL(q ‖ m) with m = β·p + (1−β)·q. ``[N, V]`` x2 -> ``[N]``.
+
+    As in TRL's ``GKDTrainer.generalized_jsd_loss``, the endpoints are special-cased: β == 0 returns the
+    forward KL(p ‖ q) and β == 1 the reverse KL(q ‖ p) (the literal formula would give 0 there).
+    """
+    if beta == 0.0:
+        return forward_kl(student_logp, teacher_logp)
+    if beta == 1.0:
+        return reverse_kl(student_logp, teacher_logp)
+    log_m = _log_mixture(teacher_logp, student_logp, beta)
+    return beta * _kl(teacher_logp, log_m) + (1.0 - beta) * _kl(student_logp, log_m)
+
+
+def skew_forward_kl(student_logp: Tensor, teacher_logp: Tensor, alpha: float = 0.1) -> Tensor:
+    """DistiLLM skew KL(p ‖ α·p + (1−α)·q). ``[N, V]`` x2 -> ``[N]``."""
+    return _kl(teacher_logp, _log_mixture(teacher_logp, student_logp, alpha))
+
+
+def skew_reverse_kl(student_logp: Tensor, teacher_logp: Tensor, alpha: float = 0.1) -> Tensor:
+    """DistiLLM skew KL(q ‖ (1−α)·p + α·q). ``[N, V]`` x2 -> ``[N]``."""
+    return _kl(student_logp, _log_mixture(student_logp, teacher_logp, alpha))
+
+
+def tvd(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
+    """Total variation ½·Σ_v |p − q|. ``[N, V]`` x2 -> ``[N]``."""
+    return 0.5 * (teacher_logp.exp() - student_logp.exp()).abs().sum(-1)
+
+
+_PER_TOKEN: dict[str, Callable[..., Tensor]] = {
+    "forward_kl": forward_kl,
+    "reverse_kl": reverse_kl,
+    "jsd": jsd,
+    "skew_forward_kl": skew_forward_kl,
+    "skew_reverse_kl": skew_reverse_kl,
+    "tvd": tvd,
+}
+
+
+def _check_args(loss_type: str, beta: float, skew_alpha: float, temperature: float) -> None:
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"Unknown loss_type {loss_type!r}; valid choices are {', '.join(LOSS_TYPES)}.")
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}.")
+    if not 0.0 <= skew_alpha <= 1.0:
+        raise ValueError(f"skew_alpha must be in [0, 1], got {skew_alpha}.")
+    if not temperature > 0.0:
+        raise ValueError(f"temperature must be > 0, got {temperature}.")
+
+
+def per_token_divergence(
+    student_logp: Tensor, teacher_logp: Tensor, loss_type: str, *, beta: float = 0.5, skew_alpha: float = 0.1
+) -> Tensor:
+    """Dispatch to the per-token divergence named ``loss_type``. Log-probs ``[N, V]`` x2 -> ``[N]``."""
+    _check_args(loss_type, beta, skew_alpha, 1.0)
+    if loss_type == "jsd":
+        return jsd(student_logp, teacher_logp, beta)
+    if loss_type.startswith("skew_"):
+        return _PER_TOKEN[loss_type](student_logp, teacher_logp, skew_alpha)
+    return _PER_TOKEN[loss_type](student_logp, teacher_logp)
+
+
+def _normalise(total: Tensor, num_rows: int, num_items_in_batch: int | Tensor | None) -> Tensor:
+    """Sum -> per-item loss: divide by ``num_items_in_batch`` if given, else by the row count (both >= 1)."""
+    if num_items_in_batch is None:
+        return total / max(num_rows, 1)
+    if isinstance(num_items_in_batch, Tensor):
+        return total / num_items_in_batch.to(total.device).clamp_min(1)
+    return total / max(num_items_in_batch, 1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Logits -> loss
+# ----------------------------------------------------------------------------------------------------
+def divergence(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    loss_type: str,
+    *,
+    beta: float = 0.5,
+    skew_alpha: float = 0.1,
+    temperature: float = 1.0,
+    mask: Tensor | None = None,
+    num_items_in_batch: int | Tensor | None = None,
+) -> Tensor:
+    """Scalar loss from student/teacher logits ``[..., V]`` and an optional bool ``mask [...]`` (True = loss).
+
+    Returns Σ over unmasked tokens / ``num_items_in_batch`` if given, else the mean over unmasked tokens.
+    Computed in ``promote_types(dtype, float32)``; ``teacher_logits`` are not detached; no T² scaling.
+    """
+    _check_args(loss_type, beta, skew_alpha, temperature)
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(
+            f"student_logits {tuple(student_logits.shape)} and teacher_logits {tuple(teacher_logits.shape)} "
+            "must have the same shape; slice both to the shared vocabulary first."
+        )
+    vocab = student_logits.shape[-1]
+    if mask is not None:
+        student_logits, teacher_logits = student_logits[mask], teacher_logits[mask]
+    s = student_logits.reshape(-1, vocab)
+    t = teacher_logits.reshape(-1, vocab)
+    dtype = torch.promote_types(s.dtype, torch.float32)
+    s_logp = F.log_softmax(s.to(dtype) / temperature, dim=-1)
+    t_logp = F.log_softmax(t.to(dtype) / temperature, dim=-1)
+    per_token = per_token_divergence(s_logp, t_logp, loss_type, beta=beta, skew_alpha=skew_alpha)
+    return _normalise(per_token.sum(), s.shape[0], num_items_in_batch)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Chunked fused lm-head + divergence (+ CE)
+# ----------------------------------------------------------------------------------------------------
+class DistillationLossOutput(NamedTuple):
+    """``kd``: distillation loss (scalar); ``ce``: student cross-entropy (scalar) when labels were given."""
+
+    kd: Tensor
+    ce: Tensor | None
+
+
+def _finalise_logits(logits: Tensor, scale: float | None, softcap: float | None) -> Tensor:
+    """Apply the model's logit scale (multiply) and final-logit softcapping ``c·tanh(x / c)``."""
+    if scale is not None:
+        logits = logits * scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return logits
+
+
+def _accumulate(buffer: Tensor | None, mat1: Tensor, mat2: Tensor) -> None:
+    """``buffer += mat1 @ mat2``; the matmul runs in mat1's dtype, the sum in the buffer's (>= fp32) dtype."""
+    if buffer is None:
+        return
+    if buffer.dtype == mat1.dtype:
+        buffer.addmm_(mat1, mat2)
+    else:
+        buffer.add_(mat1 @ mat2)
+
+
+class _ChunkedDistillation(torch.autograd.Function):
+    """Fused ``hidden @ W.T`` -> divergence (+ CE); gradients are computed chunk by chunk inside ``forward``.
+
+    Outputs the *sums* ``(kd_sum, ce_sum)`` over the selected rows; normalisation happens outside.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        s_hidden: Tensor,  # [N, H_s]
+        s_weight: Tensor,  # [V_s, H_s]
+        s_bias: Tensor | None,  # [V_s]
+        t_hidden: Tensor,  # [N, H_t], detached
+        t_weight: Tensor,  # [V_t, H_t], detached
+        t_bias: Tensor | None,  # [V_t], detached
+        rows: Tensor | None,  # [n] int64 indices of the rows carrying loss (None = all)
+        labels: Tensor | None,  # [n] int64 targets for CE
+        cfg: dict,
+    ) -> tuple[Tensor, Tensor]:
+        ctx.set_materialize_grads(False)
+        h_s = s_hidden if rows is None else s_hidden.index_select(0, rows)
+        h_t = t_hidden if rows is None else t_hidden.index_select(0, rows)
+        n, vocab, temperature = h_s.shape[0], cfg["vocab_size"], cfg["temperature"]
+        compute = torch.promote_types(h_s.dtype, torch.float32)
+        # needs_input_grad ignores the caller's grad mode; under torch.no_grad() (eval) skip all grad work.
+        need_h, need_w, need_b = (cfg["grad_enabled"] and x for x in ctx.needs_input_grad[:3])
+        need_b = need_b and s_bias is not None
+        want_grad = need_h or need_w or need_b
+        has_ce = labels is not None
+        w_dtype = s_weight.dtype
+
+        # Per-row grads are written once (rows never repeat); weight/bias grads are accumulated in >= fp32.
+        gh_kd = torch.empty_like(h_s) if need_h else None
+        gh_ce = torch.empty_like(h_s) if need_h and has_ce else None
+        gw_kd = s_weight.new_zeros(s_weight.shape, dtype=compute) if need_w else None
+        gw_ce = s_weight.new_zeros(s_weight.shape, dtype=compute) if need_w and has_ce else None
+        gb_kd = s_bias.new_zeros(s_bias.shape, dtype=compute) if need_b else None
+        gb_ce = s_bias.new_zeros(s_bias.shape, dtype=compute) if need_b and has_ce else None
+        kd_sum = h_s.new_zeros((), dtype=compute)
+        ce_sum = h_s.new_zeros((), dtype=compute)
+
+        t_w = t_weight[:vocab]
+        t_b = None if t_bias is None else t_bias[:vocab]
+        for start in range(0, n, cfg["chunk_size"]):
+            hs, ht = h_s[start : start + cfg["chunk_size"]], h_t[start : start + cfg["chunk_size"]]
+            t_logits = _finalise_logits(F.linear(ht, t_w, t_b).to(compute), cfg["t_scale"], cfg["t_softcap"])
+            t_logp = F.log_softmax(t_logits / temperature, dim=-1)
+            raw = F.linear(hs, s_weight, s_bias).to(compute)  # [c, V_s], made a leaf below
+            with torch.set_grad_enabled(want_grad):
+                raw.requires_grad_(want_grad)
+                logits = _finalise_logits(raw, cfg["s_scale"], cfg["s_softcap"])
+                s_logp = F.log_softmax(logits[:, :vocab] / temperature, dim=-1)
+                kd = per_token_divergence(
+                    s_logp, t_logp, cfg["loss_type"], beta=cfg["beta"], skew_alpha=cfg["skew_alpha"]
+                ).sum()
+                outputs = [(kd, gh_kd, gw_kd, gb_kd)]
+                if has_ce:
+                    ce = F.cross_entropy(logits, labels[start : start + hs.shape[0]], reduction="sum")
+                    outputs.append((ce, gh_ce, gw_ce, gb_ce))
+            kd_sum += kd.detach()
+            ce_sum += ce.detach() if has_ce else 0.0
+            if not want_grad:
+                continue
+            for i, (out, gh, gw, gb) in enumerate(outputs):
+                # d(chunk loss)/d(raw logits): [c, V_s] in the compute dtype, through scale/softcap.
+                (g,) = torch.autograd.grad(out, raw, retain_graph=i + 1 < len(outputs))
+                g_low = g.to(w_dtype)
+                if gh is not None:
+                    gh[start : start + hs.shape[0]] = g_low @ s_weight
+                _accumulate(gw, g_low.T, hs.to(w_dtype))
+                if gb is not None:
+                    gb.add_(g.sum(0))
+
+        # Keep the saved grads in the input dtypes (halves the saved [V, H] buffers for bf16 models).
+        gw_kd, gw_ce = (None if x is None else x.to(w_dtype) for x in (gw_kd, gw_ce))
+        gb_kd, gb_ce = (None if x is None else x.to(s_bias.dtype) for x in (gb_kd, gb_ce))
+        ctx.save_for_backward(rows, gh_kd, gh_ce, gw_kd, gw_ce, gb_kd, gb_ce)
+        ctx.hidden_shape = s_hidden.shape
+        if not has_ce:
+            ctx.mark_non_differentiable(ce_sum)
+        return kd_sum, ce_sum
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_kd: Tensor | None, grad_ce: Tensor | None):  # type: ignore[override]
+        rows, gh_kd, gh_ce, gw_kd, gw_ce, gb_kd, gb_ce = ctx.saved_tensors
+
+        def combine(kd_part: Tensor | None, ce_part: Tensor | None) -> Tensor | None:
+            out = None
+            for part, scale in ((kd_part, grad_kd), (ce_part, grad_ce)):
+                if part is not None and scale is not None:
+                    term = part * scale.to(part.dtype)
+                    out = term if out is None else out + term
+            return out
+
+        grad_h = combine(gh_kd, gh_ce)
+        if grad_h is not None and rows is not None:
+            grad_h = grad_h.new_zeros(ctx.hidden_shape).index_copy_(0, rows, grad_h)
+        return grad_h, combine(gw_kd, gw_ce), combine(gb_kd, gb_ce), None, None, None, None, None, None
+
+
+def chunked_distillation_loss(
+    student_hidden: Tensor,
+    student_lm_head_weight: Tensor,
+    teacher_hidden: Tensor,
+    teacher_lm_head_weight: Tensor,
+    mask: Tensor | None = None,
+    loss_type: str = "forward_kl",
+    *,
+    labels: Tensor | None = None,
+    student_lm_head_bias: Tensor | None = None,
+    teacher_lm_head_bias: Tensor | None = None,
+    beta: float = 0.5,
+    skew_alpha: float = 0.1,
+    temperature: float = 1.0,
+    num_items_in_batch: int | Tensor | None = None,
+    chunk_size: int | None = None,
+    vocab_size: int | None = None,
+    student_logit_scale: float | None = None,
+    teacher_logit_scale: float | None = None,
+    student_softcap: float | None = None,
+    teacher_softcap: float | None = None,
+) -> DistillationLossOutput:
+    """Distillation loss straight from hidden states, never materialising full ``[N, V]`` logits.
+
+    Shapes: hidden ``[B, T, H_s]`` / ``[B, T, H_t]`` with mask/labels ``[B, T]``, or ``[N, H]`` with ``[N]``;
+    weights ``[V_s, H_s]`` / ``[V_t, H_t]``, biases ``[V_s]`` / ``[V_t]``. Rows where ``mask`` is True are
+    selected first, then projected ``chunk_size`` rows at a time (auto: ~2^25 fp32 logits per chunk). KD
+    compares the first ``vocab_size`` logits (default ``min(V_s, V_t)``) at ``temperature``; with ``labels``
+    (already shifted, aligned with the rows) the student's CE over its full vocabulary at T=1 is also returned
+    (label -100 rows add 0). Both are sums over selected rows / ``num_items_in_batch`` (else / row count), in
+    >= fp32. Grads reach the student hidden (and weight/bias if they require grad); teacher inputs never get
+    grads. A frozen student weight (``requires_grad=False``) gets no weight-grad buffer.
+    """
+    _check_args(loss_type, beta, skew_alpha, temperature)
+    v_s, h_s_dim = student_lm_head_weight.shape
+    v_t, h_t_dim = teacher_lm_head_weight.shape
+    if student_hidden.shape[-1] != h_s_dim or teacher_hidden.shape[-1] != h_t_dim:
+        raise ValueError(
+            f"hidden sizes {student_hidden.shape[-1]} / {teacher_hidden.shape[-1]} do not match the lm_head "
+            f"weights {tuple(student_lm_head_weight.shape)} / {tuple(teacher_lm_head_weight.shape)}."
+        )
+    lead = student_hidden.shape[:-1]
+    if teacher_hidden.shape[:-1] != lead:
+        raise ValueError(
+            f"student/teacher hidden leading shapes differ: {tuple(lead)} vs "
+            f"{tuple(teacher_hidden.shape[:-1])}."
+        )
+    for name, t in (("mask", mask), ("labels", labels)):
+        if t is not None and t.shape != lead:
+            raise ValueError(
+                f"{name} shape {tuple(t.shape)} must equal the hidden leading shape {tuple(lead)}."
+            )
+    if vocab_size is None:
+        vocab_size = min(v_s, v_t)
+    elif vocab_size > min(v_s, v_t) or vocab_size < 1:
+        raise ValueError(
+            f"vocab_size={vocab_size} must be in [1, min(student vocab {v_s}, teacher vocab {v_t})]."
+        )
+    for name, cap in (("student_softcap", student_softcap), ("teacher_softcap", teacher_softcap)):
+        if cap is not None and not cap > 0:
+            raise ValueError(f"{name} must be > 0, got {cap}.")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
+
+    s_flat = student_hidden.reshape(-1, h_s_dim)
+    t_flat = teacher_hidden.detach().reshape(-1, h_t_dim)
+    rows = None if mask is None else mask.reshape(-1).nonzero().squeeze(1)
+    n = s_flat.shape[0] if rows is None else rows.numel()
+    if labels is not None:
+        labels = labels.reshape(-1) if rows is None else labels.reshape(-1).index_select(0, rows)
+    if chunk_size is None:
+        chunk_size = max(1, _AUTO_CHUNK_ELEMENTS // v_s)
+    cfg = {
+        "grad_enabled": torch.is_grad_enabled(),
+        "loss_type": loss_type,
+        "beta": beta,
+        "skew_alpha": skew_alpha,
+        "temperature": temperature,
+        "vocab_size": vocab_size,
+        "chunk_size": min(chunk_size, max(n, 1)),
+        "s_scale": student_logit_scale,
+        "t_scale": teacher_logit_scale,
+        "s_softcap": student_softcap,
+        "t_softcap": teacher_softcap,
+    }
+    t_bias = None if teacher_lm_head_bias is None else teacher_lm_head_bias.detach()
+    kd_sum, ce_sum = _ChunkedDistillation.apply(
+        s_flat, student_lm_head_weight, student_lm_head_bias, t_flat, teacher_lm_head_weight.detach(), t_bias,
+        rows, labels, cfg,
+    )  # fmt: skip
+    kd = _normalise(kd_sum, n, num_items_in_batch)
+    ce = _normalise(ce_sum, n, num_items_in_batch) if labels is not None else None
+    return DistillationLossOutput(kd, ce)
+
+
+def chunked_divergence(
+    student_hidden: Tensor,
+    student_lm_head_weight: Tensor,
+    teacher_hidden: Tensor,
+    teacher_lm_head_weight: Tensor,
+    mask: Tensor | None = None,
+    loss_type: str = "forward_kl",
+    *,
+    student_lm_head_bias: Tensor | None = None,
+    teacher_lm_head_bias: Tensor | None = None,
+    beta: float = 0.5,
+    skew_alpha: float = 0.1,
+    temperature: float = 1.0,
+    num_items_in_batch: int | Tensor | None = None,
+    chunk_size: int | None = None,
+    vocab_size: int | None = None,
+    student_logit_scale: float | None = None,
+    teacher_logit_scale: float | None = None,
+    student_softcap: float | None = None,
+    teacher_softcap: float | None = None,
+) -> Tensor:
+    """KD-only :func:`chunked_distillation_loss` (no labels); returns the scalar ``kd`` loss."""
+    return chunked_distillation_loss(
+        student_hidden,
+        student_lm_head_weight,
+        teacher_hidden,
+        teacher_lm_head_weight,
+        mask,
+        loss_type,
+        student_lm_head_bias=student_lm_head_bias,
+        teacher_lm_head_bias=teacher_lm_head_bias,
+        beta=beta,
+        skew_alpha=skew_alpha,
+        temperature=temperature,
+        num_items_in_batch=num_items_in_batch,
+        chunk_size=chunk_size,
+        vocab_size=vocab_size,
+        student_logit_scale=student_logit_scale,
+        teacher_logit_scale=teacher_logit_scale,
+        student_softcap=student_softcap,
+        teacher_softcap=teacher_softcap,
+    ).kd
