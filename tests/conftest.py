@@ -1,0 +1,39 @@
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from trl_distill.testing import launch, save_tiny_pair
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory) -> dict[str, str]:
+    """A tokenizer, a teacher and a student saved with `save_pretrained` (loaded by path, as from the hub)."""
+    return save_tiny_pair(tmp_path_factory.mktemp("tiny_pair"))
+
+
+def _read_ranks(directory: Path) -> list[dict]:
+    return [json.loads((directory / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.fixture(scope="session")
+def zero2_zero3_runs(tiny_pair, tmp_path_factory) -> dict:
+    """The 2-process runs of tests/scripts/distill_worker.py: ZeRO-2 student, ZeRO-3 teacher, DeepSpeed on CPU.
+
+    Returns ``{"main": [rank0, rank1], "resume": [...], "divergences": [...], "dir": Path}``.
+    """
+    out = tmp_path_factory.mktemp("zero2_zero3")
+    worker = SCRIPTS / "distill_worker.py"
+    pair = str(Path(tiny_pair["teacher"]).parent)
+    launch(worker, pair, str(out), "main", timeout=600)  # the first launch may build DeepSpeed's CPU comm op
+    launch(worker, pair, str(out), "resume", str(out / "main" / "checkpoint-8"), timeout=300)
+    launch(worker, pair, str(out), "divergences", timeout=300)
+    runs = {mode: _read_ranks(out / mode) for mode in ("main", "resume", "divergences")}
+    runs["dir"] = out
+    return runs
+

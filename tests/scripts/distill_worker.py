@@ -1,0 +1,200 @@
+"""A 2-process DeepSpeed distillation run (ZeRO-2 student, ZeRO-3 teacher) that records what each rank holds
+and computes into ``<out>/<mode>/rank<k>.json``. Launched by tests through `trl_distill.testing.launch`.
+
+Modes: ``main`` (evaluate, train with checkpoints, then the checks below); ``resume`` (resume ``main``'s
+checkpoint given as the fourth argument); ``divergences`` (one optimizer step with each divergence).
+"""
+
+import json
+import os
+import sys
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers.integrations import is_deepspeed_zero3_enabled
+
+from trl_distill import LOSS_TYPES, DistillationConfig, DistillationTrainer
+from trl_distill.modeling import gathered
+from trl_distill.testing import synthetic_prompt_completion
+
+STUDENT_ZERO2 = {
+    "zero_optimization": {"stage": 2, "overlap_comm": False},
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "bf16": {"enabled": "auto"},
+}
+
+
+def teacher_share(teacher) -> dict:
+    params = list(teacher.parameters())
+    return {
+        "held": sum(p.ds_tensor.numel() for p in params),
+        "total": sum(p.ds_numel for p in params),
+        "materialized": sum(p.numel() for p in params),
+        "persistent": sum(p.ds_numel for p in params if p.ds_persist),
+    }
+
+
+class RecordingTrainer(DistillationTrainer):
+    """Records the (unpadded) samples each rank trains on."""
+
+    seen: list
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.model.training:
+            for ids, mask in zip(inputs["input_ids"].tolist(), inputs["attention_mask"].tolist()):
+                self.seen.append([i for i, m in zip(ids, mask) if m])
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+class ShareRecorder(TrainerCallback):
+    def __init__(self, trainer, rec):
+        self.trainer, self.rec = trainer, rec
+
+    def on_step_end(self, args, state, control, **kwargs):
+        tr = self.trainer
+        self.rec.setdefault("teacher_share_during_train", []).append(teacher_share(tr.teacher.module))
+        self.rec.setdefault("backward_engine_is_student", []).append(
+            tr.accelerator.deepspeed_engine_wrapped.engine is tr.model_wrapped
+            and tr.accelerator.deepspeed_engine_wrapped.engine is not tr.teacher.engine
+        )
+
+
+class CycleDivergence(TrainerCallback):
+    def __init__(self, trainer, rec):
+        self.trainer, self.rec = trainer, rec
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        args.divergence = LOSS_TYPES[state.global_step % len(LOSS_TYPES)]
+        self.rec.setdefault("divergences_trained", []).append(args.divergence)
+
+
+def fixed_batch(tok, device):
+    texts = ["reverse: cat dog => dog cat", "reverse: the small teacher model => model teacher small the"]
+    return tok(texts, return_tensors="pt", padding=True).to(device)
+
+
+def main():
+    pair, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    resume_from = sys.argv[4] if len(sys.argv) > 4 else None
+    tok = AutoTokenizer.from_pretrained(os.path.join(pair, "tokenizer"))
+    dataset = synthetic_prompt_completion(64)
+    args = DistillationConfig(
+        output_dir=os.path.join(out, mode),
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=4,
+        max_steps=24,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=8,
+        learning_rate=2e-3,
+        lr_scheduler_type="constant",
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        seed=0,
+        alpha=0.5,
+        temperature=2.0,
+        deepspeed=STUDENT_ZERO2,
+        disable_tqdm=True,
+    )
+    trainer = RecordingTrainer(
+        os.path.join(pair, "student"),
+        os.path.join(pair, "teacher"),
+        args=args,
+        train_dataset=dataset,
+        eval_dataset=dataset.select(range(16)),
+        processing_class=tok,
+    )
+    trainer.seen = []
+    rank = trainer.args.process_index
+    rec = {"rank": rank, "world_size": trainer.args.world_size, "num_processes": trainer.accelerator.num_processes}
+    trainer.add_callback(ShareRecorder(trainer, rec))
+
+    if mode == "resume":
+        trainer.train(resume_from_checkpoint=resume_from)
+        rec["log_history"] = trainer.state.log_history
+        return write(out, mode, rank, rec)
+    if mode == "divergences":  # one optimizer step per divergence
+        trainer.args.max_steps = len(LOSS_TYPES)
+        trainer.add_callback(CycleDivergence(trainer, rec))
+        trainer.train()
+        rec["log_history"] = trainer.state.log_history
+        rec["teacher_share_after_train"] = teacher_share(trainer.teacher.module)
+        return write(out, mode, rank, rec)
+
+    rec["eval_before"] = trainer.evaluate()  # before train(), with a ZeRO-2 student
+    teacher_engine = trainer.teacher.engine
+    trainer.train()
+    rec["log_history"] = trainer.state.log_history
+    rec["seen"] = trainer.seen
+    rec["teacher_engine_kept"] = trainer.teacher.engine is teacher_engine
+    rec["teacher_share_after_train"] = teacher_share(trainer.teacher.module)
+    rec["teacher_requires_grad"] = any(p.requires_grad for p in trainer.teacher.module.parameters())
+    rec["student_partitioned"] = any(hasattr(p, "ds_id") for p in trainer.model.parameters())
+    rec["student_numel"] = sum(p.numel() for p in trainer.model.parameters())
+    rec["selected_plugin_is_student"] = trainer.accelerator.state.deepspeed_plugin is (
+        trainer.accelerator.state.get_deepspeed_plugin("student")
+    )
+    rec["zero3_flag_after_train"] = is_deepspeed_zero3_enabled()
+    rec["accelerator_config_stage"] = trainer.accelerator.deepspeed_config["zero_optimization"]["stage"]
+    teacher_cfg = trainer.teacher.engine.config
+    rec["teacher_engine_config"] = {
+        "stage": teacher_cfg["zero_optimization"]["stage"],
+        "micro_batch": teacher_cfg["train_micro_batch_size_per_gpu"],
+        "reduce_bucket_size": teacher_cfg["zero_optimization"]["reduce_bucket_size"],
+        "prefetch": teacher_cfg["zero_optimization"]["stage3_prefetch_bucket_size"],
+        "has_optimizer": "optimizer" in teacher_cfg,
+    }
+    rec["eval_after"] = trainer.evaluate()
+
+    # Teacher logits under ZeRO-3 (engine forward, and our hidden-states path) vs the same teacher loaded plainly
+    batch = fixed_batch(tok, trainer.args.device)
+    plain = AutoModelForCausalLM.from_pretrained(os.path.join(pair, "teacher"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = plain(**batch).logits
+        z3 = trainer.teacher.engine(**batch).logits
+        hidden = trainer.teacher.last_hidden_state(dict(batch))
+        head = trainer.teacher.module.get_output_embeddings()
+        with gathered(head.weight):
+            fused = hidden @ head.weight.T
+    rec["plain_teacher_partitioned"] = any(hasattr(p, "ds_id") for p in plain.parameters())
+    rec["teacher_logits_maxdiff"] = (z3 - ref).abs().max().item()
+    rec["teacher_hidden_logits_maxdiff"] = (fused - ref).abs().max().item()
+
+    # The saved student reloads with the trained student's logits
+    final = os.path.join(out, mode, "final")
+    trainer.save_model(final)
+    trainer.accelerator.wait_for_everyone()
+    with torch.no_grad():
+        trained = trainer.model(**batch).logits
+        reloaded = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()(**batch).logits
+    rec["reloaded_logits_maxdiff"] = (trained - reloaded).abs().max().item()
+    rec["final_files"] = sorted(os.listdir(final))
+    rec["final_keys_match_student"] = sorted(load_file(os.path.join(final, "model.safetensors"))) == sorted(
+        trainer.model.state_dict()
+    )
+
+    # Every rank runs every teacher forward: rank 0 gets a batch without a single loss token
+    inputs = dict(fixed_batch(tok, trainer.args.device))
+    inputs["labels"] = inputs["input_ids"].clone()
+    if rank == 0:
+        inputs["labels"][:] = -100
+    trainer.model_wrapped.train()
+    loss = trainer.compute_loss(trainer.model_wrapped, inputs)
+    rec["no_token_batch_loss"] = loss.item()
+
+    write(out, mode, rank, rec)
+
+
+def write(out, mode, rank, rec):
+    path = os.path.join(out, mode, f"rank{rank}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(rec, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+import pytest
+
+from trl_distill import LOSS_TYPES, DistillationConfig
+
+
+def make(**kwargs):
+    return DistillationConfig(output_dir="unused", use_cpu=True, report_to="none", **kwargs)
+
+
+def test_defaults_and_sft_fields_untouched():
+    cfg = make()
+    assert cfg.divergence == "forward_kl" and cfg.loss_type == "nll"  # SFT's own loss_type is untouched
+    assert cfg.temperature == 1.0 and cfg.alpha == 0.5 and cfg.kd_temperature_scaling
+
+
+@pytest.mark.parametrize("divergence", LOSS_TYPES)
+def test_every_divergence_accepted(divergence):
+    assert make(divergence=divergence).divergence == divergence
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"divergence": "kl"}, "Unknown divergence 'kl'; choose one of forward_kl"),
+        ({"temperature": 0.0}, "temperature must be > 0"),
+        ({"temperature": -1.0}, "temperature must be > 0"),
+        ({"alpha": 1.5}, r"alpha must be in \[0, 1\]"),
+        ({"beta": -0.1}, r"beta must be in \[0, 1\]"),
+        ({"skew_alpha": 2.0}, r"skew_alpha must be in \[0, 1\]"),
+        ({"loss_chunk_size": 0}, "loss_chunk_size must be a positive integer"),
+    ],
+)
+def test_bad_values_fail_with_the_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make(**kwargs)
+
+
+def test_every_field_has_help():
+    from dataclasses import fields
+
+    from trl import SFTConfig
+
+    ours = {f.name for f in fields(DistillationConfig)} - {f.name for f in fields(SFTConfig)}
+    assert {"teacher_model_name_or_path", "teacher_deepspeed", "divergence", "temperature", "alpha"} <= ours
+    for f in fields(DistillationConfig):
+        if f.name in ours:
+            assert f.metadata.get("help"), f.name

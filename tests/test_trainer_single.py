@@ -1,0 +1,146 @@
+"""One process, no DeepSpeed: the same API, with a plain frozen teacher module."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl_distill import DistillationConfig, DistillationTrainer
+from trl_distill.testing import build_tiny_model, logged, synthetic_prompt_completion
+
+
+def make_config(tmp_path, **overrides) -> DistillationConfig:
+    """The settings of tests/scripts/distill_worker.py, on one process with the same global batch (4)."""
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        max_steps=24,
+        logging_steps=1,
+        save_strategy="no",
+        learning_rate=2e-3,
+        lr_scheduler_type="constant",
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        seed=0,
+        alpha=0.5,
+        temperature=2.0,
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    kwargs.update(overrides)
+    return DistillationConfig(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def single_run(tiny_pair, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("single")
+    tok = AutoTokenizer.from_pretrained(tiny_pair["tokenizer"])
+    dataset = synthetic_prompt_completion(64)
+    trainer = DistillationTrainer(
+        tiny_pair["student"],
+        args=make_config(tmp, teacher_model_name_or_path=tiny_pair["teacher"]),
+        train_dataset=dataset,
+        eval_dataset=dataset.select(range(16)),
+        processing_class=tok,
+    )
+    before = trainer.evaluate()
+    trainer.train()
+    after = trainer.evaluate()
+    return trainer, before, after
+
+
+def test_loss_falls_and_eval_works(single_run):
+    trainer, before, after = single_run
+    losses = logged(trainer.state.log_history)
+    assert len(losses) == 24
+    assert sum(losses[s] for s in range(20, 25)) < 0.85 * sum(losses[s] for s in range(1, 6))
+    assert {"eval_loss", "eval_kd_loss", "eval_ce_loss"} <= set(before)
+    assert after["eval_loss"] < before["eval_loss"]
+
+
+def test_teacher_is_frozen_and_never_saved(single_run, tiny_pair, tmp_path):
+    trainer, _, _ = single_run
+    teacher = trainer.teacher.module
+    assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
+    reference = AutoModelForCausalLM.from_pretrained(tiny_pair["teacher"])
+    for (name, p), q in zip(teacher.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name  # training did not move the teacher
+    trainer.save_model(str(tmp_path / "saved"))
+    saved = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
+    assert sum(p.numel() for p in saved.parameters()) == sum(p.numel() for p in trainer.model.parameters())
+
+
+def test_logged_losses_do_not_depend_on_process_count(single_run, zero2_zero3_runs):
+    """Same data order, seed and global batch: 1 process (no DeepSpeed) vs 2 (ZeRO-2 + ZeRO-3 teacher)."""
+    trainer, _, _ = single_run
+    two_procs = zero2_zero3_runs["main"][0]["log_history"]
+    for key in ("loss", "kd_loss", "ce_loss"):
+        one, two = logged(trainer.state.log_history, key), logged(two_procs, key)
+        assert sorted(one) == sorted(two)
+        assert one[1] == pytest.approx(two[1], rel=1e-6), key  # the first step: same batch, same weights
+        for step in one:
+            assert one[step] == pytest.approx(two[step], rel=1e-4), (key, step)
+
+
+def test_models_as_instances(tiny_pair, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tiny_pair["tokenizer"])
+    student = AutoModelForCausalLM.from_pretrained(tiny_pair["student"])
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_pair["teacher"])
+    trainer = DistillationTrainer(
+        student, teacher, args=make_config(tmp_path, max_steps=2, alpha=1.0),
+        train_dataset=synthetic_prompt_completion(16), processing_class=tok,
+    )
+    trainer.train()
+    assert trainer.teacher.module is teacher and not any(p.requires_grad for p in teacher.parameters())
+    kd = logged(trainer.state.log_history, "kd_loss")
+    assert logged(trainer.state.log_history) == pytest.approx(kd)  # alpha = 1: the loss is the KD term
+
+
+def test_missing_teacher_is_a_clear_error(tiny_pair, tmp_path):
+    with pytest.raises(ValueError, match="No teacher"):
+        DistillationTrainer(
+            tiny_pair["student"], args=make_config(tmp_path), train_dataset=synthetic_prompt_completion(8)
+        )
+
+
+def test_args_must_be_a_distillation_config(tiny_pair, tmp_path):
+    from trl import SFTConfig
+
+    with pytest.raises(TypeError, match="DistillationConfig"):
+        DistillationTrainer(
+            tiny_pair["student"], tiny_pair["teacher"], args=SFTConfig(output_dir=str(tmp_path), use_cpu=True),
+            train_dataset=synthetic_prompt_completion(8),
+        )
+
+
+def test_teacher_deepspeed_without_student_deepspeed(tiny_pair, tmp_path):
+    with pytest.raises(ValueError, match="student does not use DeepSpeed"):
+        DistillationTrainer(
+            tiny_pair["student"], tiny_pair["teacher"],
+            args=make_config(tmp_path, teacher_deepspeed={"zero_optimization": {"stage": 3}}),
+            train_dataset=synthetic_prompt_completion(8),
+            processing_class=AutoTokenizer.from_pretrained(tiny_pair["tokenizer"]),
+        )
+
+
+def test_vocabulary_mismatch_names_both_sizes(tiny_pair, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tiny_pair["tokenizer"])
+    small_teacher = build_tiny_model(tok, "teacher", vocab_size=len(tok) - 10)
+    with pytest.raises(ValueError, match=rf"{len(tok)}.*{len(tok) - 10}|{len(tok) - 10}.*{len(tok)}"):
+        DistillationTrainer(
+            tiny_pair["student"], small_teacher, args=make_config(tmp_path),
+            train_dataset=synthetic_prompt_completion(8), processing_class=tok,
+        )
+
+
+def test_padded_teacher_vocabulary_is_compared_on_the_tokenizer_length(tiny_pair, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tiny_pair["tokenizer"])
+    padded_teacher = build_tiny_model(tok, "teacher", vocab_size=len(tok) + 64)  # e.g. 152064 vs 151936 rows
+    trainer = DistillationTrainer(
+        tiny_pair["student"], padded_teacher, args=make_config(tmp_path, max_steps=2),
+        train_dataset=synthetic_prompt_completion(16), processing_class=tok,
+    )
+    assert trainer.vocab_size == len(tok)
+    trainer.train()
+    assert all(v == v and v > 0 for v in logged(trainer.state.log_history, "kd_loss").values())

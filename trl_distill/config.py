@@ -1,0 +1,109 @@
+"""`DistillationConfig`: `trl.SFTConfig` plus the teacher and the distillation loss."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from trl import SFTConfig
+
+from .distributed import prepare_cpu_deepspeed_state
+from .losses import LOSS_TYPES
+
+
+@dataclass
+class DistillationConfig(SFTConfig):
+    r"""
+    Configuration for [`DistillationTrainer`]: every [`trl.SFTConfig`] field, plus the ones below.
+
+    The loss is ``alpha * KD + (1 - alpha) * CE``, where KD is the chosen `divergence` between the teacher's and
+    the student's next-token distributions at `temperature` (times ``temperature**2`` unless
+    `kd_temperature_scaling` is off) and CE is the student's cross-entropy on the dataset's completion tokens.
+    Both are averaged over the completion tokens of the whole (accumulated, all-rank) batch.
+
+    > Teacher
+
+    teacher_model_name_or_path: path or hub id of the teacher, used when the trainer gets no `teacher_model`.
+    teacher_model_init_kwargs: keyword arguments for the teacher's `from_pretrained` (default dtype: the
+        student's).
+    teacher_deepspeed: the teacher's own DeepSpeed config (path, JSON string or dict). When absent and the
+        student uses DeepSpeed, a ZeRO-3 inference config is derived. ``"auto"`` values come from these
+        arguments; optimizer/scheduler blocks are dropped.
+
+    > Loss
+
+    divergence: one of ``forward_kl``, ``reverse_kl``, ``jsd``, ``skew_forward_kl``, ``skew_reverse_kl``,
+        ``tvd``. (`loss_type` stays SFT's own field.)
+    temperature, alpha, beta, skew_alpha, kd_temperature_scaling, loss_chunk_size: see each field's help.
+    """
+
+    _VALID_DICT_FIELDS = SFTConfig._VALID_DICT_FIELDS + ["teacher_model_init_kwargs", "teacher_deepspeed"]
+
+    teacher_model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Path or hub id of the teacher model, used when no `teacher_model` is passed."},
+    )
+    teacher_model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Keyword arguments for the teacher's `AutoModelForCausalLM.from_pretrained` (e.g. `dtype`, "
+            "`revision`, `attn_implementation`). The teacher's dtype follows the student's unless set here."
+        },
+    )
+    teacher_deepspeed: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "The teacher's own DeepSpeed config: a JSON file, a JSON string or a dict. Its 'auto' values are "
+            "filled from these arguments, its ZeRO-3 bucket sizes from the teacher's hidden size, and optimizer or "
+            "scheduler blocks are dropped. When absent and the student uses DeepSpeed, a ZeRO-3 inference config "
+            "is derived, so each rank holds 1/N of the teacher."
+        },
+    )
+    divergence: str = field(
+        default="forward_kl",
+        metadata={
+            "help": "Divergence between teacher (p) and student (q) distributions.",
+            "choices": list(LOSS_TYPES),
+        },
+    )
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "Softmax temperature applied to both the teacher's and the student's logits in the KD term."},
+    )
+    alpha: float = field(
+        default=0.5,
+        metadata={"help": "Weight of the KD term: loss = alpha * KD + (1 - alpha) * CE. 1.0 is pure distillation."},
+    )
+    beta: float = field(
+        default=0.5,
+        metadata={"help": "Teacher weight in the mixture of the generalized JSD (`divergence='jsd'`), in [0, 1]."},
+    )
+    skew_alpha: float = field(
+        default=0.1,
+        metadata={"help": "Skew of `skew_forward_kl` / `skew_reverse_kl` (DistiLLM), in [0, 1]."},
+    )
+    kd_temperature_scaling: bool = field(
+        default=True,
+        metadata={"help": "Multiply the KD term by temperature**2 (Hinton et al.), keeping its gradient scale."},
+    )
+    loss_chunk_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Completion tokens projected through the lm_heads at a time in the chunked loss. None picks a "
+            "size from the vocabulary so one chunk of fp32 logits stays near 128 MiB."
+        },
+    )
+
+    def __post_init__(self):
+        if self.divergence not in LOSS_TYPES:
+            raise ValueError(f"Unknown divergence {self.divergence!r}; choose one of {', '.join(LOSS_TYPES)}.")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}.")
+        for name in ("alpha", "beta", "skew_alpha"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}.")
+        if self.loss_chunk_size is not None and self.loss_chunk_size < 1:
+            raise ValueError(f"loss_chunk_size must be a positive integer or None, got {self.loss_chunk_size}.")
+        prepare_cpu_deepspeed_state(self)
+        super().__post_init__()

@@ -1,0 +1,135 @@
+"""The teacher's whole lifecycle: load (partitioned from the start), prepare once, run frozen, never save.
+
+With DeepSpeed the teacher has its own plugin ("teacher", ZeRO-3 inference) beside the student's ("student").
+It is loaded while its plugin is selected, so `from_pretrained` runs under `zero.Init` and no rank ever holds
+the whole teacher; it is prepared into its own engine without disturbing what the Trainer relies on (the
+engine that receives `backward`, the config `save_model` reads); the student's plugin is selected again in
+every case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from .modeling import add_fused_distillation_forward
+
+logger = logging.getLogger(__name__)
+
+STUDENT, TEACHER = "student", "teacher"
+
+
+def uses_two_plugins(accelerator) -> bool:
+    plugins = getattr(accelerator.state, "deepspeed_plugins", None)
+    return isinstance(plugins, dict) and TEACHER in plugins
+
+
+@contextlib.contextmanager
+def teacher_plugin_selected(accelerator):
+    """Select the teacher's DeepSpeed plugin for the block; always select the student's again after it."""
+    accelerator.state.select_deepspeed_plugin(TEACHER)
+    try:
+        yield accelerator.state.get_deepspeed_plugin(TEACHER)
+    finally:
+        accelerator.state.select_deepspeed_plugin(STUDENT)
+
+
+@contextlib.contextmanager
+def _accelerator_state_kept(accelerator):
+    """Undo what `accelerator.prepare(teacher)` changes on the accelerator (checked against accelerate 1.15):
+
+    - `deepspeed_engine_wrapped`: the engine `accelerator.backward` runs on, and the one `free_memory()`
+      destroys at the start of `train()`. It must stay the student's (or empty), never the teacher's.
+    - `deepspeed_config`: `save_model` reads it to decide how to save; it must stay the student's.
+    - `_models`: the prepared models that `save_state` saves; the teacher is never saved.
+    """
+    wrapped = accelerator.deepspeed_engine_wrapped
+    config = getattr(accelerator, "deepspeed_config", None)
+    models = list(accelerator._models)
+    accelerator.deepspeed_engine_wrapped = None  # else accelerate warns that an engine is already tied
+    try:
+        yield
+    finally:
+        accelerator.deepspeed_engine_wrapped = wrapped
+        if config is not None:
+            accelerator.deepspeed_config = config
+        accelerator._models[:] = models
+
+
+class Teacher:
+    """A frozen teacher model, loaded lazily and prepared exactly once.
+
+    Args:
+        source: a `PreTrainedModel`, or a path / hub id to load with `from_pretrained`.
+        init_kwargs: keyword arguments for `from_pretrained` (ignored for a model instance).
+    """
+
+    def __init__(self, source: str | PreTrainedModel, init_kwargs: dict | None = None):
+        if not isinstance(source, (str, PreTrainedModel)):
+            raise TypeError(f"teacher_model must be a PreTrainedModel or a path, got {type(source).__name__}.")
+        self.source = source
+        self.init_kwargs = dict(init_kwargs or {})
+        self.module: nn.Module | None = None  # the unwrapped model
+        self.engine: nn.Module | None = None  # what runs the forward: a DeepSpeed engine or the module
+
+    @property
+    def config(self):
+        if isinstance(self.source, PreTrainedModel):
+            return self.source.config
+        from transformers import AutoConfig
+
+        kwargs = {k: self.init_kwargs[k] for k in ("revision", "trust_remote_code") if k in self.init_kwargs}
+        return AutoConfig.from_pretrained(self.source, **kwargs)
+
+    @property
+    def prepared(self) -> bool:
+        return self.engine is not None
+
+    def _load(self) -> PreTrainedModel:
+        if isinstance(self.source, PreTrainedModel):
+            return self.source
+        kwargs = {"trust_remote_code": False, **self.init_kwargs}
+        kwargs.pop("device_map", None)  # placement is DeepSpeed's or ours
+        return AutoModelForCausalLM.from_pretrained(self.source, **kwargs)
+
+    def prepare(self, accelerator, device: torch.device) -> None:
+        """Load (if needed) and prepare the teacher. Collective under DeepSpeed: call on every rank, once."""
+        if self.prepared:
+            return
+        if uses_two_plugins(accelerator):
+            with teacher_plugin_selected(accelerator):
+                model = self._load()
+                _freeze(model)
+                add_fused_distillation_forward(model)
+                with _accelerator_state_kept(accelerator):
+                    engine = accelerator.prepare(model)
+            engine.eval()
+        else:
+            model = self._load()
+            _freeze(model)
+            add_fused_distillation_forward(model)
+            engine = model.to(device)
+        self.module, self.engine = model, engine
+        if isinstance(self.source, PreTrainedModel):
+            self.source = model
+
+    @torch.no_grad()
+    def last_hidden_state(self, model_inputs: dict) -> torch.Tensor:
+        """The teacher's last hidden state ``[B, T, H_t]`` for the batch (every rank must call it: ZeRO-3
+        gathers are collective)."""
+        if not self.prepared:
+            raise RuntimeError("The teacher is not prepared; DistillationTrainer prepares it before the first batch.")
+        return self.engine(**model_inputs, fused_distillation=_return_hidden)
+
+
+def _return_hidden(hidden: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    return hidden
+
+
+def _freeze(model: nn.Module) -> None:
+    model.eval()
+    model.requires_grad_(False)

@@ -1,0 +1,156 @@
+"""Tiny local models, tokenizer and data for tests, examples and benchmarks (no hub access needed).
+
+Everything here is built from configs and seeds, so two processes (or two runs) that call the same helper
+with the same arguments get byte-identical models, tokenizers and datasets.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+from .distributed import free_port
+
+SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+_WORDS = (
+    "the a teacher student model learns small large knowledge from to and of in is distills "
+    "token loss data train step rank zero stage gather shard memory fast slow cat dog red blue"
+).split()
+
+
+def synthetic_prompt_completion(num_examples: int = 64, seed: int = 0) -> Dataset:
+    """A prompt–completion dataset of short word sequences; every example is distinct.
+
+    The completion repeats the prompt's words in reverse order, so a model can learn the task.
+    """
+    rng = random.Random(seed)
+    rows, seen = [], set()
+    while len(rows) < num_examples:
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 7))]
+        prompt = " ".join(words)
+        if prompt in seen:
+            continue
+        seen.add(prompt)
+        rows.append({"prompt": f"reverse: {prompt} =>", "completion": " " + " ".join(reversed(words))})
+    return Dataset.from_list(rows)
+
+
+def build_tokenizer(vocab_size: int = 256, corpus: list[str] | None = None) -> PreTrainedTokenizerFast:
+    """Train a small byte-level BPE tokenizer locally (deterministic for the same corpus)."""
+    if corpus is None:
+        ds = synthetic_prompt_completion(256, seed=1234)
+        corpus = [r["prompt"] + r["completion"] for r in ds]
+    tok = Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS["unk_token"]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
+
+
+def tiny_llama_config(tokenizer: PreTrainedTokenizerFast, size: str = "student", **overrides) -> LlamaConfig:
+    """A Llama config sized `"teacher"` (larger) or `"student"`; parameter counts are even, so ZeRO-3 splits
+    every tensor exactly in half across two ranks."""
+    sizes = {
+        "teacher": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4),
+        "student": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
+    }
+    kwargs = dict(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=128,
+        num_key_value_heads=None,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **sizes[size],
+    )
+    kwargs.update(overrides)
+    kwargs["num_key_value_heads"] = kwargs["num_key_value_heads"] or kwargs["num_attention_heads"]
+    return LlamaConfig(**kwargs)
+
+
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, size: str = "student", seed: int = 0, **overrides):
+    """A randomly initialised tiny Llama (float32), seeded."""
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_llama_config(tokenizer, size, **overrides), dtype=torch.float32)
+
+
+def save_tiny_pair(directory: str | os.PathLike, seed: int = 0) -> dict[str, str]:
+    """Save a tokenizer, a teacher and a student with `save_pretrained` under `directory`.
+
+    Returns the paths: ``{"tokenizer": ..., "teacher": ..., "student": ...}`` (the tokenizer is saved in both
+    model directories too, so each loads on its own).
+    """
+    directory = Path(directory)
+    tokenizer = build_tokenizer()
+    paths = {"tokenizer": str(directory / "tokenizer")}
+    tokenizer.save_pretrained(paths["tokenizer"])
+    for i, size in enumerate(("teacher", "student")):
+        paths[size] = str(directory / size)
+        build_tiny_model(tokenizer, size, seed=seed + i).save_pretrained(paths[size])
+        tokenizer.save_pretrained(paths[size])
+    return paths
+
+
+def launch(
+    script: str | os.PathLike,
+    *script_args: str,
+    nproc: int = 2,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    launcher: str = "torchrun",
+    launcher_args: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess:
+    """Run `script` on `nproc` processes on loopback, one thread per rank.
+
+    `launcher` is ``"torchrun"`` or ``"accelerate"`` (``accelerate launch``, with `launcher_args` such as
+    ``("--use_deepspeed", "--zero_stage", "2")``). Raises `RuntimeError` with the combined output if it fails,
+    and `subprocess.TimeoutExpired` (after killing every rank) if it runs past `timeout` seconds, so a hang
+    fails fast.
+    """
+    if launcher == "torchrun":
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+        ]
+    elif launcher == "accelerate":
+        cmd = [
+            sys.executable, "-m", "accelerate.commands.launch", f"--num_processes={nproc}", "--num_machines=1",
+            "--mixed_precision=no", "--dynamo_backend=no", f"--main_process_port={free_port()}",
+        ]
+    else:
+        raise ValueError(f"launcher must be 'torchrun' or 'accelerate', got {launcher!r}.")
+    cmd += [*launcher_args, str(script), *script_args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    proc = subprocess.Popen(
+        cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out) from None
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed with exit code {proc.returncode}:\n{out[-8000:]}")
+    return result
+
+
+def logged(log_history: list[dict], key: str = "loss") -> dict[int, float]:
+    """``{step: value}`` of a Trainer's `state.log_history`, per-step training entries only."""
+    return {h["step"]: h[key] for h in log_history if key in h and "train_runtime" not in h}

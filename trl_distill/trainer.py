@@ -1,0 +1,254 @@
+"""`DistillationTrainer`: `trl.SFTTrainer` with a frozen teacher, which DeepSpeed can partition (ZeRO-3) beside
+a student trained with any ZeRO stage (or without DeepSpeed)."""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+import torch
+from accelerate.utils import DeepSpeedPlugin
+from transformers import PreTrainedModel, TrainerCallback
+from trl import SFTTrainer
+
+from .config import DistillationConfig
+from .deepspeed_config import build_teacher_config
+from .losses import chunked_distillation_loss
+from .modeling import LMHead, add_fused_distillation_forward, gathered, hidden_size
+from .teacher import STUDENT, TEACHER, Teacher
+
+logger = logging.getLogger(__name__)
+
+
+class DistillationTrainer(SFTTrainer):
+    """Distil `teacher_model` into `model` on an SFT dataset (language modeling, prompt–completion or messages).
+
+    A drop-in for `trl.SFTTrainer` with one more argument. The loss is
+    ``alpha * KD + (1 - alpha) * CE`` on completion tokens (see [`DistillationConfig`]); `kd_loss` and `ce_loss`
+    are logged beside `loss`.
+
+    With DeepSpeed (``args.deepspeed``, or ``accelerate launch --use_deepspeed``) the student keeps its own config
+    (ZeRO-2 is the usual choice) and the teacher gets a separate ZeRO-3 inference engine (``args.teacher_deepspeed``
+    or a derived one): each of N ranks holds 1/N of the teacher, loaded that way from the start. Unlike
+    `trl.DistillationTrainer`, which replicates the teacher unless the student is ZeRO-3 and is on-policy only,
+    this trainer distils off-policy on the dataset's completions.
+
+    Args:
+        model: the student, a `PreTrainedModel` or a path / hub id.
+        teacher_model: the teacher, a `PreTrainedModel` or a path / hub id; defaults to
+            ``args.teacher_model_name_or_path``. Passing a path lets DeepSpeed load it already partitioned.
+        args: a [`DistillationConfig`].
+        The other arguments are `trl.SFTTrainer`'s.
+    """
+
+    _tag_names = ["trl", "sft", "distillation", "trl-distill"]
+    _name = "Distillation"
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        teacher_model: str | PreTrainedModel | None = None,
+        args: DistillationConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        optimizer_cls_and_kwargs=None,
+        preprocess_logits_for_metrics=None,
+        peft_config=None,
+        formatting_func=None,
+    ):
+        if args is None:
+            args = DistillationConfig(output_dir="distilled-model")
+        elif not isinstance(args, DistillationConfig):
+            raise TypeError(f"args must be a DistillationConfig, got {type(args).__name__}.")
+        teacher_model = teacher_model if teacher_model is not None else args.teacher_model_name_or_path
+        if teacher_model is None:
+            raise ValueError("No teacher: pass `teacher_model=` or set `teacher_model_name_or_path` in the config.")
+        self.teacher = Teacher(teacher_model, args.teacher_model_init_kwargs)
+        super().__init__(
+            model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            compute_metrics=compute_metrics,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+            peft_config=peft_config,
+            formatting_func=formatting_func,
+        )
+        student = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        add_fused_distillation_forward(student)
+        if "dtype" not in self.teacher.init_kwargs and "torch_dtype" not in self.teacher.init_kwargs:
+            self.teacher.init_kwargs["dtype"] = student.dtype
+        self.vocab_size = self._shared_vocab_size(student.config, self.teacher.config, self.processing_class)
+        # Our loss sums over completion tokens and divides by their count over the accumulated, all-rank batch
+        self.model_accepts_loss_kwargs = True
+        self._loss_shifts_labels = True
+        self._distill_sums = {"kd_loss": 0.0, "ce_loss": 0.0}
+        self._distill_last_logged_step = 0
+        self.add_callback(_LogStepSync(self))
+
+    # ---- Setup: two DeepSpeed plugins, teacher prepared once after the Trainer's `free_memory()` ----
+
+    def _build_accelerator_args(self, **kwargs):
+        """Give the Accelerator two plugins, {"student": the Trainer's, "teacher": ZeRO-3 inference}."""
+        accelerator_args = super()._build_accelerator_args(**kwargs)
+        student_plugin = accelerator_args.get("deepspeed_plugin")
+        if student_plugin is None:
+            if self.args.teacher_deepspeed is not None:
+                raise ValueError(
+                    "`teacher_deepspeed` is set but the student does not use DeepSpeed. Pass `deepspeed=` (e.g. a "
+                    "ZeRO-2 config) or launch with `accelerate launch --use_deepspeed`."
+                )
+            return accelerator_args
+        config = build_teacher_config(
+            self.args.teacher_deepspeed, student_plugin.deepspeed_config, self.args, hidden_size(self.teacher.config)
+        )
+        stage = config["zero_optimization"].get("stage", 0)
+        teacher_plugin = DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=stage == 3)
+        accelerator_args["deepspeed_plugin"] = {STUDENT: student_plugin, TEACHER: teacher_plugin}
+        return accelerator_args
+
+    def _prepare_teacher(self) -> None:
+        self.teacher.prepare(self.accelerator, self.args.device)
+
+    def get_train_dataloader(self):
+        dataloader = super().get_train_dataloader()
+        self._prepare_teacher()  # after `train()`'s free_memory(), on every rank
+        return dataloader
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        dataloader = super().get_eval_dataloader(eval_dataset)
+        self._prepare_teacher()
+        return dataloader
+
+    def evaluation_loop(self, *args, **kwargs):
+        student_plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
+        if student_plugin is None or self.deepspeed is not None or student_plugin.zero_stage == 3:
+            return super().evaluation_loop(*args, **kwargs)
+        # Before `train()` the stock loop would build a ZeRO-3 inference engine for the student, which refuses a
+        # ZeRO-0/1/2 config. Such a student holds all its weights on every rank: evaluate the module as it is.
+        self.is_deepspeed_enabled = False
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            self.is_deepspeed_enabled = True
+
+    @staticmethod
+    def _shared_vocab_size(student_config, teacher_config, tokenizer) -> int:
+        """Compare distributions on the tokenizer's length: padded embedding rows beyond it are ignored."""
+        student_vocab = student_config.get_text_config().vocab_size
+        teacher_vocab = teacher_config.get_text_config().vocab_size
+        shared = min(student_vocab, teacher_vocab)
+        tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's tokenizer
+        if tokenizer is not None and hasattr(tokenizer, "__len__"):
+            if len(tokenizer) > shared:
+                raise ValueError(
+                    f"Student and teacher vocabularies differ: the student's lm_head has {student_vocab} rows, the "
+                    f"teacher's {teacher_vocab}, and the tokenizer has {len(tokenizer)} tokens. Distillation needs "
+                    "one tokenizer shared by both models."
+                )
+            return len(tokenizer)
+        if student_vocab != teacher_vocab:
+            raise ValueError(
+                f"Student and teacher vocabularies differ ({student_vocab} vs {teacher_vocab}) and no tokenizer says "
+                "which rows they share. Pass `processing_class=` (the tokenizer both models use)."
+            )
+        return shared
+
+    # ---- Loss ----
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """``alpha * KD + (1 - alpha) * CE`` over completion tokens, normalised like the HF Trainer's loss."""
+        args = self.args
+        labels = inputs["labels"]
+        model_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
+        if "shift_labels" in inputs:
+            target = inputs["shift_labels"]
+            trim = slice(None)
+        else:
+            target = labels[:, 1:]
+            trim = slice(None, -1)
+        mask = target != -100
+        # Every rank runs every teacher forward, even with no loss token: ZeRO-3 gathers are collective.
+        teacher_hidden = self.teacher.last_hidden_state(model_inputs)[:, trim]
+        loss_fn = partial(
+            self._fused_loss, teacher_hidden=teacher_hidden, target=target, mask=mask,
+            num_items_in_batch=num_items_in_batch,
+        )
+        kd, ce = model(**model_inputs, fused_distillation=loss_fn)
+        if args.kd_temperature_scaling:
+            kd = kd * args.temperature**2
+        loss = args.alpha * kd + (1.0 - args.alpha) * ce
+        if args.average_tokens_across_devices and num_items_in_batch is not None:
+            # `num_items_in_batch` counts every rank's tokens and DeepSpeed/DDP average gradients across ranks
+            scale = self.accelerator.num_processes
+            loss, kd, ce = loss * scale, kd * scale, ce * scale
+        self._record(kd, ce, mask)
+        if return_outputs:
+            return loss, {"kd_loss": kd.detach(), "ce_loss": ce.detach()}
+        return loss
+
+    def _fused_loss(self, student_hidden, student, *, teacher_hidden, target, mask, num_items_in_batch):
+        """Runs inside the student's forward: both lm_heads, a chunk of completion rows at a time."""
+        args = self.args
+        s_head, t_head = LMHead.of(student), LMHead.of(self.teacher.module)
+        with gathered(s_head.weight, s_head.bias, t_head.weight, t_head.bias):
+            return chunked_distillation_loss(
+                student_hidden[:, : target.shape[1]], s_head.weight, teacher_hidden, t_head.weight, mask,
+                args.divergence,
+                labels=target.clamp(min=0),
+                student_lm_head_bias=s_head.bias, teacher_lm_head_bias=t_head.bias,
+                beta=args.beta, skew_alpha=args.skew_alpha, temperature=args.temperature,
+                num_items_in_batch=num_items_in_batch, chunk_size=args.loss_chunk_size, vocab_size=self.vocab_size,
+                student_logit_scale=s_head.logit_scale, teacher_logit_scale=t_head.logit_scale,
+                student_softcap=s_head.softcap, teacher_softcap=t_head.softcap,
+            )
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs).detach()
+            if prediction_loss_only:
+                return loss, None, None
+            logits = model(**{k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}).logits
+        return loss, logits, inputs["labels"]
+
+    # ---- Logging: `kd_loss` and `ce_loss` reduced exactly like the Trainer's `loss` ----
+
+    def _record(self, kd: torch.Tensor, ce: torch.Tensor, mask: torch.Tensor) -> None:
+        if self.model.training:
+            self._distill_sums["kd_loss"] += kd.detach()
+            self._distill_sums["ce_loss"] += ce.detach()
+        else:
+            for name, value in (("kd_loss", kd), ("ce_loss", ce)):
+                self._metrics["eval"][name].append(self.accelerator.gather(value.detach()).mean().item())
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.model.training and "loss" in logs:
+            steps = max(self.state.global_step - self._distill_last_logged_step, 1)
+            for name, total in self._distill_sums.items():
+                total = torch.as_tensor(total, device=self.args.device, dtype=torch.float32)
+                logs[name] = self.accelerator.gather(total.reshape(1)).mean().item() / steps
+                self._distill_sums[name] = 0.0
+            self._distill_last_logged_step = self.state.global_step
+        super().log(logs, start_time)
+
+
+class _LogStepSync(TrainerCallback):
+    """Starts the `kd_loss`/`ce_loss` step count where `train()` starts (after a resume, at the checkpoint)."""
+
+    def __init__(self, trainer: DistillationTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._distill_last_logged_step = state.global_step
+        self.trainer._distill_sums = {name: 0.0 for name in self.trainer._distill_sums}
