@@ -32,6 +32,14 @@ def test_teacher_partitioned_in_half_student_whole(zero2_zero3_runs):
         assert not rec["teacher_requires_grad"]
 
 
+def test_teacher_loaded_partitioned_with_zero_init(zero2_zero3_runs):
+    """The teacher is loaded while its ZeRO-3 plugin is selected: `from_pretrained` returns it partitioned."""
+    for rec in zero2_zero3_runs["main"]:
+        load = rec["teacher_at_load"]
+        assert load["zero3_flag"] and load["all_partitioned"]
+        assert load["materialized"] == 0  # not a single full tensor on the rank right after loading
+
+
 def test_teacher_stays_partitioned_during_training(zero2_zero3_runs):
     """Pitfall 2: an engine built before `train()`'s free_memory() must survive it, still partitioned."""
     for rec in zero2_zero3_runs["main"]:
@@ -148,7 +156,9 @@ def test_every_rank_runs_every_teacher_forward(zero2_zero3_runs):
 
 
 def test_each_divergence_trains(zero2_zero3_runs):
+    """With `loss_chunk_size=3` (several chunks per batch) the teacher's lm_head is gathered once per step."""
     for rec in zero2_zero3_runs["divergences"]:
+        assert rec["lm_head_gathers"] == [1] * len(LOSS_TYPES)  # one call per step; the teacher's head partitioned
         assert rec["divergences_trained"] == list(LOSS_TYPES)
         losses = logged(rec["log_history"])
         assert len(losses) == len(LOSS_TYPES)

@@ -144,3 +144,24 @@ def test_padded_teacher_vocabulary_is_compared_on_the_tokenizer_length(tiny_pair
     assert trainer.vocab_size == len(tok)
     trainer.train()
     assert all(v == v and v > 0 for v in logged(trainer.state.log_history, "kd_loss").values())
+
+
+def test_gradient_accumulation_normalises_by_loss_tokens(tiny_pair, tmp_path):
+    """2 micro-batches of 2 samples (with different token counts) equal one batch of 4: the loss is a sum over
+    completion tokens divided by their count over the accumulated batch (`num_items_in_batch`)."""
+    tok = AutoTokenizer.from_pretrained(tiny_pair["tokenizer"])
+    runs = {}
+    for batch, accumulation in ((4, 1), (2, 2)):
+        trainer = DistillationTrainer(
+            tiny_pair["student"], tiny_pair["teacher"],
+            args=make_config(tmp_path / f"{batch}x{accumulation}", max_steps=4, per_device_train_batch_size=batch,
+                             gradient_accumulation_steps=accumulation),
+            train_dataset=synthetic_prompt_completion(64), processing_class=tok,
+        )
+        trainer.train()
+        runs[batch] = trainer.state.log_history
+    for key in ("loss", "kd_loss", "ce_loss"):
+        one, accumulated = logged(runs[4], key), logged(runs[2], key)
+        assert sorted(one) == sorted(accumulated) == [1, 2, 3, 4]
+        for step in one:
+            assert accumulated[step] == pytest.approx(one[step], rel=1e-5), (key, step)

@@ -10,6 +10,7 @@ every case.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 
 import torch
@@ -76,8 +77,9 @@ class Teacher:
         self.module: nn.Module | None = None  # the unwrapped model
         self.engine: nn.Module | None = None  # what runs the forward: a DeepSpeed engine or the module
 
-    @property
+    @functools.cached_property
     def config(self):
+        """The teacher's config, read without loading its weights."""
         if isinstance(self.source, PreTrainedModel):
             return self.source.config
         from transformers import AutoConfig

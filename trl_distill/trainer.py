@@ -192,7 +192,10 @@ class DistillationTrainer(SFTTrainer):
             # `num_items_in_batch` counts every rank's tokens and DeepSpeed/DDP average gradients across ranks
             scale = self.accelerator.num_processes
             loss, kd, ce = loss * scale, kd * scale, ce * scale
-        self._record(kd, ce, mask)
+        if num_items_in_batch is None and self.model.training:
+            # a per-micro-batch mean: the Trainer divides the loss by the accumulation steps; log alike
+            kd, ce = kd / self.current_gradient_accumulation_steps, ce / self.current_gradient_accumulation_steps
+        self._record(kd, ce)
         if return_outputs:
             return loss, {"kd_loss": kd.detach(), "ce_loss": ce.detach()}
         return loss
@@ -224,7 +227,7 @@ class DistillationTrainer(SFTTrainer):
 
     # ---- Logging: `kd_loss` and `ce_loss` reduced exactly like the Trainer's `loss` ----
 
-    def _record(self, kd: torch.Tensor, ce: torch.Tensor, mask: torch.Tensor) -> None:
+    def _record(self, kd: torch.Tensor, ce: torch.Tensor) -> None:
         if self.model.training:
             self._distill_sums["kd_loss"] += kd.detach()
             self._distill_sums["ce_loss"] += ce.detach()

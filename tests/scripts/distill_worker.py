@@ -71,6 +71,38 @@ class CycleDivergence(TrainerCallback):
         self.rec.setdefault("divergences_trained", []).append(args.divergence)
 
 
+def count_lm_head_gathers(rec):
+    """Record, per call of the trainer's lm_head gather, how many of the given parameters are ZeRO-3 partitioned."""
+    import trl_distill.trainer as trainer_module
+    from trl_distill.modeling import _is_partitioned
+
+    original = trainer_module.gathered
+    rec["lm_head_gathers"] = []
+
+    def counting(*params):
+        rec["lm_head_gathers"].append(sum(_is_partitioned(p) for p in params))
+        return original(*params)
+
+    trainer_module.gathered = counting
+
+
+def record_teacher_load(trainer, rec):
+    """Record the teacher as `from_pretrained` returns it, before DeepSpeed prepares it: under `zero.Init` it
+    is already partitioned, so no rank ever held all of it."""
+    load = trainer.teacher._load
+
+    def recording_load():
+        model = load()
+        rec["teacher_at_load"] = {
+            "zero3_flag": is_deepspeed_zero3_enabled(),
+            "all_partitioned": all(hasattr(p, "ds_id") for p in model.parameters()),
+            "materialized": sum(p.numel() for p in model.parameters()),
+        }
+        return model
+
+    trainer.teacher._load = recording_load
+
+
 def fixed_batch(tok, device):
     texts = ["reverse: cat dog => dog cat", "reverse: the small teacher model => model teacher small the"]
     return tok(texts, return_tensors="pt", padding=True).to(device)
@@ -117,14 +149,17 @@ def main():
         trainer.train(resume_from_checkpoint=resume_from)
         rec["log_history"] = trainer.state.log_history
         return write(out, mode, rank, rec)
-    if mode == "divergences":  # one optimizer step per divergence
+    if mode == "divergences":  # one optimizer step per divergence, several loss chunks per step
         trainer.args.max_steps = len(LOSS_TYPES)
+        trainer.args.loss_chunk_size = 3
+        count_lm_head_gathers(rec)
         trainer.add_callback(CycleDivergence(trainer, rec))
         trainer.train()
         rec["log_history"] = trainer.state.log_history
         rec["teacher_share_after_train"] = teacher_share(trainer.teacher.module)
         return write(out, mode, rank, rec)
 
+    record_teacher_load(trainer, rec)
     rec["eval_before"] = trainer.evaluate()  # before train(), with a ZeRO-2 student
     teacher_engine = trainer.teacher.engine
     trainer.train()

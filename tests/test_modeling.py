@@ -1,0 +1,64 @@
+"""What the loss reads from a model: last hidden states through the patched forward, the lm_head and its
+logit transform (bias, logit scale, final-logit softcapping)."""
+
+import torch
+from transformers import AutoModelForCausalLM, CohereConfig, Gemma2Config, LlamaConfig
+
+from trl_distill.modeling import LMHead, add_fused_distillation_forward, gathered, hidden_size
+from trl_distill.testing import build_tiny_model, build_tokenizer
+
+
+def tiny(config_cls, **kwargs):
+    base = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config_cls(**{**base, **kwargs}))
+
+
+def test_fused_forward_returns_what_the_loss_callable_returns():
+    model = build_tiny_model(build_tokenizer(), "student").eval()
+    add_fused_distillation_forward(model)
+    add_fused_distillation_forward(model)  # patching twice is a no-op
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        logits = model(ids).logits  # unchanged without the keyword
+        hidden = model(ids, labels=ids, fused_distillation=lambda h, m: h)
+        head = LMHead.of(model)
+        assert torch.allclose(hidden @ head.weight.T, logits, atol=1e-6)
+        assert model(ids, fused_distillation=lambda h, m: m) is model
+
+
+def test_lm_head_transforms_read_from_the_config():
+    llama = LMHead.of(tiny(LlamaConfig))
+    assert llama.bias is None and llama.logit_scale is None and llama.softcap is None
+    gemma = LMHead.of(tiny(Gemma2Config, final_logit_softcapping=30.0))
+    assert gemma.softcap == 30.0
+    cohere = LMHead.of(tiny(CohereConfig, logit_scale=0.0625))
+    assert cohere.logit_scale == 0.0625
+
+
+def test_lm_head_transform_reproduces_the_model_logits():
+    """Gemma2 softcaps, Cohere scales: our projection + transform equals the model's own logits."""
+    for model in (tiny(Gemma2Config, final_logit_softcapping=5.0), tiny(CohereConfig, logit_scale=0.5)):
+        model.eval()
+        add_fused_distillation_forward(model)
+        ids = torch.tensor([[3, 9, 27, 41]])
+        head = LMHead.of(model)
+        with torch.no_grad():
+            logits = model(ids).logits
+            z = model(ids, fused_distillation=lambda h, m: h) @ head.weight.T
+            if head.logit_scale is not None:
+                z = z * head.logit_scale
+            if head.softcap is not None:
+                z = head.softcap * torch.tanh(z / head.softcap)
+        assert torch.allclose(z, logits, atol=1e-5), type(model).__name__
+
+
+def test_gathered_is_a_no_op_for_plain_parameters():
+    weight = torch.nn.Parameter(torch.randn(4, 3))
+    with gathered(weight, None):
+        assert weight.shape == (4, 3)
+
+
+def test_hidden_size():
+    assert hidden_size(LlamaConfig(hidden_size=48, num_attention_heads=4)) == 48
