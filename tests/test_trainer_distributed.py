@@ -166,6 +166,21 @@ def test_each_divergence_trains(zero2_zero3_runs):
         assert rec["teacher_share_after_train"]["held"] * 2 == rec["teacher_share_after_train"]["total"]
 
 
+def test_zero3_student_beside_zero3_teacher(zero2_zero3_runs):
+    """Any student stage: a ZeRO-3 student (the loss gathers its lm_head inside its forward) computes the same
+    losses as the ZeRO-2 student on the same data, evaluates before train() and saves a loadable model."""
+    zero2 = logged(zero2_zero3_runs["main"][0]["log_history"])
+    for rec in zero2_zero3_runs["zero3_student"]:
+        assert rec["student_partitioned"]
+        assert rec["teacher_share_after_train"]["held"] * 2 == rec["teacher_share_after_train"]["total"]
+        assert "eval_loss" in rec["eval_before"]
+        zero3 = logged(rec["log_history"])
+        assert sorted(zero3) == list(range(1, 7))
+        for step, value in zero3.items():
+            assert value == pytest.approx(zero2[step], rel=1e-5), step
+    assert "model.safetensors" in zero2_zero3_runs["zero3_student"][0]["final_files"]
+
+
 def test_accelerate_launch_use_deepspeed(tiny_pair, tmp_path):
     """`accelerate launch --use_deepspeed` on a machine without GPU: world size 2, no setup code in the script."""
     script = Path(__file__).parent / "scripts" / "accelerate_worker.py"

@@ -125,6 +125,11 @@ def per_token_divergence(
     return _PER_TOKEN[loss_type](student_logp, teacher_logp)
 
 
+def _div(logits: Tensor, temperature: float) -> Tensor:
+    """``logits / T``; the identical tensor at T == 1 (saves a full-size copy and its backward pass)."""
+    return logits if temperature == 1.0 else logits / temperature
+
+
 def _normalise(total: Tensor, num_rows: int, num_items_in_batch: int | Tensor | None) -> Tensor:
     """Sum -> per-item loss: divide by ``num_items_in_batch`` if given, else by the row count (both >= 1)."""
     if num_items_in_batch is None:
@@ -165,8 +170,8 @@ def divergence(
     s = student_logits.reshape(-1, vocab)
     t = teacher_logits.reshape(-1, vocab)
     dtype = torch.promote_types(s.dtype, torch.float32)
-    s_logp = F.log_softmax(s.to(dtype) / temperature, dim=-1)
-    t_logp = F.log_softmax(t.to(dtype) / temperature, dim=-1)
+    s_logp = F.log_softmax(_div(s.to(dtype), temperature), dim=-1)
+    t_logp = F.log_softmax(_div(t.to(dtype), temperature), dim=-1)
     per_token = per_token_divergence(s_logp, t_logp, loss_type, beta=beta, skew_alpha=skew_alpha)
     return _normalise(per_token.sum(), s.shape[0], num_items_in_batch)
 
@@ -190,14 +195,31 @@ def _finalise_logits(logits: Tensor, scale: float | None, softcap: float | None)
     return logits
 
 
-def _accumulate(buffer: Tensor | None, mat1: Tensor, mat2: Tensor) -> None:
-    """``buffer += mat1 @ mat2``; the matmul runs in mat1's dtype, the sum in the buffer's (>= fp32) dtype."""
-    if buffer is None:
-        return
-    if buffer.dtype == mat1.dtype:
-        buffer.addmm_(mat1, mat2)
-    else:
-        buffer.add_(mat1 @ mat2)
+def _forward_kl_closed_form(s_logits: Tensor, t_logp: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """Σ_rows KL(p ‖ q) and its gradient w.r.t. ``s_logits``, (q − p) / T, without autograd (forward_kl only).
+
+    Same value as ``forward_kl(...).sum()``; the gradient equals autograd's up to rounding (autograd computes
+    ``q·Σp − p``). Overwrites ``t_logp``; allocates no ``[c, V]`` temporaries beyond ``log q``, ``p``.
+    """
+    s_logp = F.log_softmax(_div(s_logits, temperature), dim=-1)
+    p = t_logp.exp()
+    diff = t_logp.sub_(s_logp)  # log p − log q
+    grad = s_logp.exp_().sub_(p)  # q − p
+    kd = diff.mul_(p).sum()
+    return kd, grad if temperature == 1.0 else grad.div_(temperature)
+
+
+def _backprop(g: Tensor, hs: Tensor, weight: Tensor, gh: Tensor | None, gw: Tensor | None, gb: Tensor | None) -> None:
+    """From ``g`` = d(chunk loss)/d(logits) ``[c, V]``: ``gh = g @ W``, ``gw += g.T @ hs``, ``gb += g.sum(0)``.
+
+    Matmuls run in the weight's dtype, the ``gw``/``gb`` sums in theirs (>= fp32)."""
+    g_low = g.to(weight.dtype)
+    if gh is not None:
+        torch.mm(g_low, weight, out=gh) if gh.dtype == g_low.dtype else gh.copy_(g_low @ weight)
+    if gw is not None:
+        gw.addmm_(g_low.T, hs.to(weight.dtype)) if gw.dtype == g_low.dtype else gw.add_(g_low.T @ hs.to(weight.dtype))
+    if gb is not None:
+        gb.add_(g.sum(0))
 
 
 class _ChunkedDistillation(torch.autograd.Function):
@@ -230,6 +252,8 @@ class _ChunkedDistillation(torch.autograd.Function):
         want_grad = need_h or need_w or need_b
         has_ce = labels is not None
         w_dtype = s_weight.dtype
+        closed_form = want_grad and cfg["loss_type"] == "forward_kl"  # d kd / d logits in closed form
+        g_cols = s_weight.shape[0]
 
         # Per-row grads are written once (rows never repeat); weight/bias grads are accumulated in >= fp32.
         gh_kd = torch.empty_like(h_s) if need_h else None
@@ -246,16 +270,26 @@ class _ChunkedDistillation(torch.autograd.Function):
         for start in range(0, n, cfg["chunk_size"]):
             hs, ht = h_s[start : start + cfg["chunk_size"]], h_t[start : start + cfg["chunk_size"]]
             t_logits = _finalise_logits(F.linear(ht, t_w, t_b).to(compute), cfg["t_scale"], cfg["t_softcap"])
-            t_logp = F.log_softmax(t_logits / temperature, dim=-1)
+            t_logp = F.log_softmax(_div(t_logits, temperature), dim=-1)
+            del t_logits
             raw = F.linear(hs, s_weight, s_bias).to(compute)  # [c, V_s], made a leaf below
             with torch.set_grad_enabled(want_grad):
                 raw.requires_grad_(want_grad)
                 logits = _finalise_logits(raw, cfg["s_scale"], cfg["s_softcap"])
-                s_logp = F.log_softmax(logits[:, :vocab] / temperature, dim=-1)
-                kd = per_token_divergence(
-                    s_logp, t_logp, cfg["loss_type"], beta=cfg["beta"], skew_alpha=cfg["skew_alpha"]
-                ).sum()
-                outputs = [(kd, gh_kd, gw_kd, gb_kd)]
+                if closed_form:
+                    with torch.no_grad():
+                        kd, g = _forward_kl_closed_form(logits[:, :vocab], t_logp, temperature)
+                        g = g if vocab == g_cols else F.pad(g, (0, g_cols - vocab))  # padded columns: 0
+                    if logits is not raw:  # chain through scale/softcap
+                        (g,) = torch.autograd.grad(logits, raw, g, retain_graph=has_ce)
+                    outputs = []
+                else:
+                    s_logp = F.log_softmax(_div(logits[:, :vocab], temperature), dim=-1)
+                    kd = per_token_divergence(
+                        s_logp, t_logp, cfg["loss_type"], beta=cfg["beta"], skew_alpha=cfg["skew_alpha"]
+                    ).sum()
+                    outputs = [(kd, gh_kd, gw_kd, gb_kd)]
+                del t_logp
                 if has_ce:
                     ce = F.cross_entropy(logits, labels[start : start + hs.shape[0]], reduction="sum")
                     outputs.append((ce, gh_ce, gw_ce, gb_ce))
@@ -263,15 +297,14 @@ class _ChunkedDistillation(torch.autograd.Function):
             ce_sum += ce.detach() if has_ce else 0.0
             if not want_grad:
                 continue
+            rows_c = slice(start, start + hs.shape[0])
+            if closed_form:
+                _backprop(g, hs, s_weight, None if gh_kd is None else gh_kd[rows_c], gw_kd, gb_kd)
+                del g
             for i, (out, gh, gw, gb) in enumerate(outputs):
                 # d(chunk loss)/d(raw logits): [c, V_s] in the compute dtype, through scale/softcap.
                 (g,) = torch.autograd.grad(out, raw, retain_graph=i + 1 < len(outputs))
-                g_low = g.to(w_dtype)
-                if gh is not None:
-                    gh[start : start + hs.shape[0]] = g_low @ s_weight
-                _accumulate(gw, g_low.T, hs.to(w_dtype))
-                if gb is not None:
-                    gb.add_(g.sum(0))
+                _backprop(g, hs, s_weight, None if gh is None else gh[rows_c], gw, gb)
 
         # Keep the saved grads in the input dtypes (halves the saved [V, H] buffers for bf16 models).
         gw_kd, gw_ce = (None if x is None else x.to(w_dtype) for x in (gw_kd, gw_ce))
@@ -345,20 +378,15 @@ def chunked_distillation_loss(
     lead = student_hidden.shape[:-1]
     if teacher_hidden.shape[:-1] != lead:
         raise ValueError(
-            f"student/teacher hidden leading shapes differ: {tuple(lead)} vs "
-            f"{tuple(teacher_hidden.shape[:-1])}."
+            f"student/teacher hidden leading shapes differ: {tuple(lead)} vs {tuple(teacher_hidden.shape[:-1])}."
         )
     for name, t in (("mask", mask), ("labels", labels)):
         if t is not None and t.shape != lead:
-            raise ValueError(
-                f"{name} shape {tuple(t.shape)} must equal the hidden leading shape {tuple(lead)}."
-            )
+            raise ValueError(f"{name} shape {tuple(t.shape)} must equal the hidden leading shape {tuple(lead)}.")
     if vocab_size is None:
         vocab_size = min(v_s, v_t)
     elif vocab_size > min(v_s, v_t) or vocab_size < 1:
-        raise ValueError(
-            f"vocab_size={vocab_size} must be in [1, min(student vocab {v_s}, teacher vocab {v_t})]."
-        )
+        raise ValueError(f"vocab_size={vocab_size} must be in [1, min(student vocab {v_s}, teacher vocab {v_t})].")
     for name, cap in (("student_softcap", student_softcap), ("teacher_softcap", teacher_softcap)):
         if cap is not None and not cap > 0:
             raise ValueError(f"{name} must be > 0, got {cap}.")
@@ -419,22 +447,9 @@ def chunked_divergence(
 ) -> Tensor:
     """KD-only :func:`chunked_distillation_loss` (no labels); returns the scalar ``kd`` loss."""
     return chunked_distillation_loss(
-        student_hidden,
-        student_lm_head_weight,
-        teacher_hidden,
-        teacher_lm_head_weight,
-        mask,
-        loss_type,
-        student_lm_head_bias=student_lm_head_bias,
-        teacher_lm_head_bias=teacher_lm_head_bias,
-        beta=beta,
-        skew_alpha=skew_alpha,
-        temperature=temperature,
-        num_items_in_batch=num_items_in_batch,
-        chunk_size=chunk_size,
-        vocab_size=vocab_size,
-        student_logit_scale=student_logit_scale,
-        teacher_logit_scale=teacher_logit_scale,
-        student_softcap=student_softcap,
-        teacher_softcap=teacher_softcap,
-    ).kd
+        student_hidden, student_lm_head_weight, teacher_hidden, teacher_lm_head_weight, mask, loss_type,
+        student_lm_head_bias=student_lm_head_bias, teacher_lm_head_bias=teacher_lm_head_bias, beta=beta,
+        skew_alpha=skew_alpha, temperature=temperature, num_items_in_batch=num_items_in_batch,
+        chunk_size=chunk_size, vocab_size=vocab_size, student_logit_scale=student_logit_scale,
+        teacher_logit_scale=teacher_logit_scale, student_softcap=student_softcap, teacher_softcap=teacher_softcap,
+    ).kd  # fmt: skip

@@ -117,6 +117,13 @@ class DistillationTrainer(SFTTrainer):
         accelerator_args["deepspeed_plugin"] = {STUDENT: student_plugin, TEACHER: teacher_plugin}
         return accelerator_args
 
+    def train(self, *args, **kwargs):
+        if self.is_deepspeed_enabled and self.model_wrapped is not self.model:
+            # An engine from evaluate() or an earlier train(): the Trainer's free_memory() is about to destroy it,
+            # and the stock Trainer would then skip preparing the student (no engine for `backward`).
+            self.model_wrapped, self.deepspeed = self.model, None
+        return super().train(*args, **kwargs)
+
     def _prepare_teacher(self) -> None:
         self.teacher.prepare(self.accelerator, self.args.device)
 

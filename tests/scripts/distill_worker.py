@@ -2,7 +2,8 @@
 and computes into ``<out>/<mode>/rank<k>.json``. Launched by tests through `trl_distill.testing.launch`.
 
 Modes: ``main`` (evaluate, train with checkpoints, then the checks below); ``resume`` (resume ``main``'s
-checkpoint given as the fourth argument); ``divergences`` (one optimizer step with each divergence).
+checkpoint given as the fourth argument); ``divergences`` (one optimizer step with each divergence);
+``zero3_student`` (ZeRO-3 for the student too).
 """
 
 import json
@@ -24,6 +25,12 @@ STUDENT_ZERO2 = {
     "gradient_accumulation_steps": "auto",
     "gradient_clipping": "auto",
     "bf16": {"enabled": "auto"},
+}
+
+
+STUDENT_ZERO3 = {
+    **STUDENT_ZERO2,
+    "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
 }
 
 
@@ -129,7 +136,7 @@ def main():
         seed=0,
         alpha=0.5,
         temperature=2.0,
-        deepspeed=STUDENT_ZERO2,
+        deepspeed=STUDENT_ZERO3 if mode == "zero3_student" else STUDENT_ZERO2,
         disable_tqdm=True,
     )
     trainer = RecordingTrainer(
@@ -148,6 +155,18 @@ def main():
     if mode == "resume":
         trainer.train(resume_from_checkpoint=resume_from)
         rec["log_history"] = trainer.state.log_history
+        return write(out, mode, rank, rec)
+    if mode == "zero3_student":  # ZeRO-3 for both: evaluate, train 6 steps, save
+        trainer.args.max_steps = 6
+        trainer.args.save_strategy = "no"
+        rec["eval_before"] = trainer.evaluate()
+        trainer.train()
+        rec["log_history"] = trainer.state.log_history
+        rec["student_partitioned"] = all(hasattr(p, "ds_id") for p in trainer.model.parameters())
+        rec["teacher_share_after_train"] = teacher_share(trainer.teacher.module)
+        final = os.path.join(out, mode, "final")
+        trainer.save_model(final)
+        rec["final_files"] = sorted(os.listdir(final)) if trainer.accelerator.is_main_process else []
         return write(out, mode, rank, rec)
     if mode == "divergences":  # one optimizer step per divergence, several loss chunks per step
         trainer.args.max_steps = len(LOSS_TYPES)
