@@ -63,6 +63,18 @@ def test_student_plugin_selected_again(zero2_zero3_runs):
         assert rec["accelerator_config_stage"] == 2
 
 
+def test_teacher_prepared_after_the_student_leaves_its_state(zero2_zero3_runs):
+    """Pitfalls 1, 3, 4 with the order reversed: a teacher prepared once the student's engine exists keeps the
+    backward engine, the config `save_model` reads and the model list the student's; a failing load selects
+    the student's plugin again."""
+    for rec in zero2_zero3_runs["main"]:
+        assert rec["late_teacher_state_kept"] == [True, True, True]
+        assert rec["late_teacher_share"]["held"] * 2 == rec["late_teacher_share"]["total"]
+        assert rec["failed_load_raised"]
+        assert rec["plugin_after_failed_load_is_student"] and rec["zero3_flag_after_failed_load"] is False
+    assert "model.safetensors" in zero2_zero3_runs["main"][0]["late_save_files"]
+
+
 def test_teacher_config_filled_from_the_same_arguments(zero2_zero3_runs):
     """Pitfall 5: the teacher's "auto" values come from the student's TrainingArguments and its own hidden size."""
     for rec in zero2_zero3_runs["main"]:
@@ -156,9 +168,11 @@ def test_every_rank_runs_every_teacher_forward(zero2_zero3_runs):
 
 
 def test_each_divergence_trains(zero2_zero3_runs):
-    """With `loss_chunk_size=3` (several chunks per batch) the teacher's lm_head is gathered once per step."""
+    """With `loss_chunk_size=3` (several chunks per batch) the teacher's lm_head is gathered once per step.
+    This run also sets `use_cpu=True`, which must give the same 2-process DeepSpeed setup."""
     for rec in zero2_zero3_runs["divergences"]:
         assert rec["lm_head_gathers"] == [1] * len(LOSS_TYPES)  # one call per step; the teacher's head partitioned
+        assert rec["world_size"] == 2
         assert rec["divergences_trained"] == list(LOSS_TYPES)
         losses = logged(rec["log_history"])
         assert len(losses) == len(LOSS_TYPES)

@@ -165,3 +165,32 @@ def test_gradient_accumulation_normalises_by_loss_tokens(tiny_pair, tmp_path):
         assert sorted(one) == sorted(accumulated) == [1, 2, 3, 4]
         for step in one:
             assert accumulated[step] == pytest.approx(one[step], rel=1e-5), (key, step)
+
+
+def test_predict_and_eval_metrics_weighted_like_eval_loss(tiny_pair, tmp_path):
+    """predict() prepares the teacher too; eval_kd_loss/eval_ce_loss average samples exactly like eval_loss,
+    also with an uneven last batch (18 samples, batches of 4)."""
+    tok = AutoTokenizer.from_pretrained(tiny_pair["tokenizer"])
+    dataset = synthetic_prompt_completion(18, seed=5)
+    trainer = DistillationTrainer(
+        tiny_pair["student"], tiny_pair["teacher"], args=make_config(tmp_path, alpha=0.25),
+        train_dataset=dataset, eval_dataset=dataset, processing_class=tok,
+    )
+    output = trainer.predict(trainer.eval_dataset)  # SFT prepares train/eval datasets; predict takes one
+    assert output.metrics["test_loss"] > 0
+    metrics = trainer.evaluate()
+    mixed = 0.25 * metrics["eval_kd_loss"] + 0.75 * metrics["eval_ce_loss"]
+    assert metrics["eval_loss"] == pytest.approx(mixed, rel=1e-6)
+
+
+def test_moe_student_with_router_loss_is_refused(tiny_pair, tmp_path):
+    from transformers import MixtralConfig
+
+    tok = AutoTokenizer.from_pretrained(tiny_pair["tokenizer"])
+    moe = AutoModelForCausalLM.from_config(MixtralConfig(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1, router_aux_loss_coef=0.01,
+    ))
+    with pytest.raises(ValueError, match="router_aux_loss_coef=0.0"):
+        DistillationTrainer(moe, tiny_pair["teacher"], args=make_config(tmp_path),
+                            train_dataset=synthetic_prompt_completion(8), processing_class=tok)

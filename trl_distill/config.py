@@ -37,6 +37,7 @@ class DistillationConfig(SFTConfig):
     temperature, alpha, beta, skew_alpha, kd_temperature_scaling, loss_chunk_size: see each field's help.
     """
 
+    # Fields a JSON string may fill on the CLI (a TrainingArguments class attribute; transformers 5.24)
     _VALID_DICT_FIELDS = SFTConfig._VALID_DICT_FIELDS + ["teacher_model_init_kwargs", "teacher_deepspeed"]
 
     teacher_model_name_or_path: str | None = field(

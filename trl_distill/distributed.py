@@ -53,9 +53,11 @@ def prepare_cpu_deepspeed_state(args) -> None:
     """If `args` ask for DeepSpeed and there is no GPU, set up a gloo `PartialState` and point `args` at it.
 
     Call before `TrainingArguments.__post_init__` (our `DistillationConfig` does). A no-op with a GPU, without
-    DeepSpeed, or when the user already configured a state.
+    DeepSpeed, or when the user already configured a state. `use_cpu=True` takes the same path: the Trainer's
+    own CPU branch would leave DeepSpeed's process group uninitialised until the first engine, so a teacher
+    loaded under `zero.Init` would see a world size of 1.
     """
-    if not _deepspeed_requested(args) or _has_accelerator() or getattr(args, "use_cpu", False):
+    if not _deepspeed_requested(args) or _has_accelerator():
         return
     _set_single_process_env()
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"

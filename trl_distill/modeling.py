@@ -62,6 +62,7 @@ class LMHead:
 
 
 def _is_partitioned(param: torch.Tensor | None) -> bool:
+    # DeepSpeed's per-parameter ZeRO-3 attributes (`ds_id`, `ds_status`); checked against deepspeed 0.19.8
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     return param is not None and hasattr(param, "ds_id") and param.ds_status != ZeroParamStatus.AVAILABLE

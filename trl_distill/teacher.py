@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 
 import torch
 from torch import nn
@@ -69,9 +70,14 @@ class Teacher:
         init_kwargs: keyword arguments for `from_pretrained` (ignored for a model instance).
     """
 
-    def __init__(self, source: str | PreTrainedModel, init_kwargs: dict | None = None):
+    def __init__(self, source: str | os.PathLike | PreTrainedModel, init_kwargs: dict | None = None):
+        if isinstance(source, os.PathLike):
+            source = os.fspath(source)
         if not isinstance(source, (str, PreTrainedModel)):
-            raise TypeError(f"teacher_model must be a PreTrainedModel or a path, got {type(source).__name__}.")
+            raise TypeError(
+                f"teacher_model must be a transformers PreTrainedModel or a path / hub id, got "
+                f"{type(source).__name__}. (A PEFT model as teacher: merge it first with `merge_and_unload()`.)"
+            )
         self.source = source
         self.init_kwargs = dict(init_kwargs or {})
         self.module: nn.Module | None = None  # the unwrapped model
@@ -95,7 +101,9 @@ class Teacher:
         if isinstance(self.source, PreTrainedModel):
             return self.source
         kwargs = {"trust_remote_code": False, **self.init_kwargs}
-        kwargs.pop("device_map", None)  # placement is DeepSpeed's or ours
+        if kwargs.pop("device_map", None) is not None:
+            logger.warning("Ignoring the teacher's `device_map`: the teacher is placed by DeepSpeed or on the "
+                           "training device.")
         return AutoModelForCausalLM.from_pretrained(self.source, **kwargs)
 
     def prepare(self, accelerator, device: torch.device) -> None:
@@ -124,7 +132,11 @@ class Teacher:
         """The teacher's last hidden state ``[B, T, H_t]`` for the batch (every rank must call it: ZeRO-3
         gathers are collective)."""
         if not self.prepared:
-            raise RuntimeError("The teacher is not prepared; DistillationTrainer prepares it before the first batch.")
+            raise RuntimeError(
+                "The teacher is not prepared. DistillationTrainer prepares it in get_train_dataloader(), "
+                "get_eval_dataloader() and get_test_dataloader(); call one of them (or train/evaluate/predict) "
+                "before computing a loss."
+            )
         return self.engine(**model_inputs, fused_distillation=_return_hidden)
 
 

@@ -84,12 +84,19 @@ class DistillationTrainer(SFTTrainer):
             peft_config=peft_config,
             formatting_func=formatting_func,
         )
+        if self.aux_loss_enabled:
+            raise ValueError(
+                "A Mixture-of-Experts student with a router load-balancing loss is not supported yet: the "
+                "distillation loss would silently drop it. Set `router_aux_loss_coef=0.0` to train without it."
+            )
         student = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         add_fused_distillation_forward(student)
         if "dtype" not in self.teacher.init_kwargs and "torch_dtype" not in self.teacher.init_kwargs:
             self.teacher.init_kwargs["dtype"] = student.dtype
         self.vocab_size = self._shared_vocab_size(student.config, self.teacher.config, self.processing_class)
-        # Our loss sums over completion tokens and divides by their count over the accumulated, all-rank batch
+        # Our loss sums over completion tokens and divides by their count over the accumulated, all-rank batch:
+        # ask the Trainer for that count (`num_items_in_batch`), taken over the shifted labels. Both attributes
+        # are the Trainer's own (`_loss_shifts_labels` is private; checked against transformers 5.24).
         self.model_accepts_loss_kwargs = True
         self._loss_shifts_labels = True
         self._distill_sums = {"kd_loss": 0.0, "ce_loss": 0.0}
@@ -137,12 +144,18 @@ class DistillationTrainer(SFTTrainer):
         self._prepare_teacher()
         return dataloader
 
+    def get_test_dataloader(self, test_dataset):
+        dataloader = super().get_test_dataloader(test_dataset)
+        self._prepare_teacher()  # predict()
+        return dataloader
+
     def evaluation_loop(self, *args, **kwargs):
         student_plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
         if student_plugin is None or self.deepspeed is not None or student_plugin.zero_stage == 3:
             return super().evaluation_loop(*args, **kwargs)
         # Before `train()` the stock loop would build a ZeRO-3 inference engine for the student, which refuses a
         # ZeRO-0/1/2 config. Such a student holds all its weights on every rank: evaluate the module as it is.
+        # (The loop reads `is_deepspeed_enabled` only to decide that; checked against transformers 5.24.)
         self.is_deepspeed_enabled = False
         try:
             return super().evaluation_loop(*args, **kwargs)
@@ -197,12 +210,12 @@ class DistillationTrainer(SFTTrainer):
         loss = args.alpha * kd + (1.0 - args.alpha) * ce
         if args.average_tokens_across_devices and num_items_in_batch is not None:
             # `num_items_in_batch` counts every rank's tokens and DeepSpeed/DDP average gradients across ranks
-            scale = self.accelerator.num_processes
+            scale = self.accelerator.num_processes // self.get_tp_size()
             loss, kd, ce = loss * scale, kd * scale, ce * scale
         if num_items_in_batch is None and self.model.training:
             # a per-micro-batch mean: the Trainer divides the loss by the accumulation steps; log alike
             kd, ce = kd / self.current_gradient_accumulation_steps, ce / self.current_gradient_accumulation_steps
-        self._record(kd, ce)
+        self._record(kd, ce, batch_size=target.shape[0])
         if return_outputs:
             return loss, {"kd_loss": kd.detach(), "ce_loss": ce.detach()}
         return loss
@@ -229,18 +242,22 @@ class DistillationTrainer(SFTTrainer):
             loss = self.compute_loss(model, inputs).detach()
             if prediction_loss_only:
                 return loss, None, None
-            logits = model(**{k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}).logits
+            model_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
+            logits = model(**model_inputs, use_cache=False).logits  # packed rows: no cache, or documents mix
         return loss, logits, inputs["labels"]
 
     # ---- Logging: `kd_loss` and `ce_loss` reduced exactly like the Trainer's `loss` ----
 
-    def _record(self, kd: torch.Tensor, ce: torch.Tensor) -> None:
+    def _record(self, kd: torch.Tensor, ce: torch.Tensor, batch_size: int) -> None:
         if self.model.training:
             self._distill_sums["kd_loss"] += kd.detach()
             self._distill_sums["ce_loss"] += ce.detach()
-        else:
-            for name, value in (("kd_loss", kd), ("ce_loss", ce)):
-                self._metrics["eval"][name].append(self.accelerator.gather(value.detach()).mean().item())
+            return
+        # Like `eval_loss`: one value per sample, duplicates of an uneven last batch dropped. `_metrics` is
+        # SFTTrainer's (trl 1.16), averaged and cleared by its `log()`.
+        for name, value in (("kd_loss", kd), ("ce_loss", ce)):
+            values = self.accelerator.gather_for_metrics(value.detach().reshape(1).repeat(batch_size))
+            self._metrics["eval"][name].extend(values.tolist())
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.model.training and "loss" in logs:

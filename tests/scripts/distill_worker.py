@@ -17,6 +17,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from trl_distill import LOSS_TYPES, DistillationConfig, DistillationTrainer
 from trl_distill.modeling import gathered
+from trl_distill.teacher import Teacher
 from trl_distill.testing import synthetic_prompt_completion
 
 STUDENT_ZERO2 = {
@@ -138,6 +139,7 @@ def main():
         temperature=2.0,
         deepspeed=STUDENT_ZERO3 if mode == "zero3_student" else STUDENT_ZERO2,
         disable_tqdm=True,
+        use_cpu=mode == "divergences",  # `use_cpu=True` with DeepSpeed must give the same 2-process setup
     )
     trainer = RecordingTrainer(
         os.path.join(pair, "student"),
@@ -230,6 +232,27 @@ def main():
     rec["final_keys_match_student"] = sorted(load_file(os.path.join(final, "model.safetensors"))) == sorted(
         trainer.model.state_dict()
     )
+
+    # A teacher prepared after the student's engine exists leaves the accelerator's state to the student
+    acc = trainer.accelerator
+    state = (acc.deepspeed_engine_wrapped, acc.deepspeed_config, list(acc._models))
+    late = Teacher(os.path.join(pair, "teacher"), {"dtype": torch.float32})
+    late.prepare(acc, trainer.args.device)
+    rec["late_teacher_state_kept"] = [
+        acc.deepspeed_engine_wrapped is state[0], acc.deepspeed_config is state[1], acc._models == state[2]
+    ]
+    rec["late_teacher_share"] = teacher_share(late.module)
+    late_save = os.path.join(out, mode, "final_after_late_teacher")
+    trainer.save_model(late_save)
+    acc.wait_for_everyone()
+    rec["late_save_files"] = sorted(os.listdir(late_save))
+    # A teacher that fails to load selects the student's plugin again
+    try:
+        Teacher(os.path.join(pair, "no_such_teacher")).prepare(acc, trainer.args.device)
+    except OSError:
+        rec["failed_load_raised"] = True
+    rec["plugin_after_failed_load_is_student"] = acc.state.deepspeed_plugin is acc.state.get_deepspeed_plugin("student")
+    rec["zero3_flag_after_failed_load"] = is_deepspeed_zero3_enabled()
 
     # Every rank runs every teacher forward: rank 0 gets a batch without a single loss token
     inputs = dict(fixed_batch(tok, trainer.args.device))
