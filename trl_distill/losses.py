@@ -196,11 +196,9 @@ def _finalise_logits(logits: Tensor, scale: float | None, softcap: float | None)
 
 
 def _forward_kl_closed_form(s_logits: Tensor, t_logp: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """Σ_rows KL(p ‖ q) and its gradient w.r.t. ``s_logits``, (q − p) / T, without autograd (forward_kl only).
+    """Σ_rows KL(p ‖ q) and its gradient w.r.t. ``s_logits``, (q − p) / T, without autograd (autograd: q·Σp − p).
 
-    Same value as ``forward_kl(...).sum()``; the gradient equals autograd's up to rounding (autograd computes
-    ``q·Σp − p``). Overwrites ``t_logp``; allocates no ``[c, V]`` temporaries beyond ``log q``, ``p``.
-    """
+    Overwrites ``t_logp``; allocates no ``[c, V]`` temporaries beyond ``log q`` and ``p``."""
     s_logp = F.log_softmax(_div(s_logits, temperature), dim=-1)
     p = t_logp.exp()
     diff = t_logp.sub_(s_logp)  # log p − log q
@@ -211,13 +209,16 @@ def _forward_kl_closed_form(s_logits: Tensor, t_logp: Tensor, temperature: float
 
 def _backprop(g: Tensor, hs: Tensor, weight: Tensor, gh: Tensor | None, gw: Tensor | None, gb: Tensor | None) -> None:
     """From ``g`` = d(chunk loss)/d(logits) ``[c, V]``: ``gh = g @ W``, ``gw += g.T @ hs``, ``gb += g.sum(0)``.
-
     Matmuls run in the weight's dtype, the ``gw``/``gb`` sums in theirs (>= fp32)."""
-    g_low = g.to(weight.dtype)
-    if gh is not None:
-        torch.mm(g_low, weight, out=gh) if gh.dtype == g_low.dtype else gh.copy_(g_low @ weight)
-    if gw is not None:
-        gw.addmm_(g_low.T, hs.to(weight.dtype)) if gw.dtype == g_low.dtype else gw.add_(g_low.T @ hs.to(weight.dtype))
+    g_low, hs_low = g.to(weight.dtype), hs.to(weight.dtype)
+    if gh is not None and gh.dtype == g_low.dtype:
+        torch.mm(g_low, weight, out=gh)
+    elif gh is not None:
+        gh.copy_(g_low @ weight)
+    if gw is not None and gw.dtype == g_low.dtype:
+        gw.addmm_(g_low.T, hs_low)
+    elif gw is not None:
+        gw.add_(g_low.T @ hs_low)
     if gb is not None:
         gb.add_(g.sum(0))
 
