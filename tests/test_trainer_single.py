@@ -5,28 +5,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
-from trl_distill.testing import build_tiny_model, logged, synthetic_prompt_completion
+from trl_distill.testing import build_tiny_model, logged, synthetic_prompt_completion, tiny_run_settings
 
 
 def make_config(tmp_path, **overrides) -> DistillationConfig:
     """The settings of tests/scripts/distill_worker.py, on one process with the same global batch (4)."""
-    kwargs = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
-        per_device_eval_batch_size=4,
-        max_steps=24,
-        logging_steps=1,
-        save_strategy="no",
-        learning_rate=2e-3,
-        lr_scheduler_type="constant",
-        bf16=False,
-        gradient_checkpointing=False,
-        report_to="none",
-        seed=0,
-        alpha=0.5,
-        temperature=2.0,
-        use_cpu=True,
-        disable_tqdm=True,
+    kwargs = tiny_run_settings(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, save_strategy="no", use_cpu=True
     )
     kwargs.update(overrides)
     return DistillationConfig(**kwargs)

@@ -154,3 +154,15 @@ def launch(
 def logged(log_history: list[dict], key: str = "loss") -> dict[int, float]:
     """``{step: value}`` of a Trainer's `state.log_history`, per-step training entries only."""
     return {h["step"]: h[key] for h in log_history if key in h and "train_runtime" not in h}
+
+
+def tiny_run_settings(**overrides) -> dict:
+    """`DistillationConfig` keyword arguments shared by runs that must compute the same losses (the 1- and
+    2-process tests): explicit CPU-friendly precision, constant learning rate, logging every step, seed 0."""
+    settings = dict(
+        max_steps=24, logging_steps=1, learning_rate=2e-3, lr_scheduler_type="constant", seed=0, alpha=0.5,
+        temperature=2.0, per_device_eval_batch_size=4, bf16=False, gradient_checkpointing=False,
+        report_to="none", disable_tqdm=True,
+    )
+    settings.update(overrides)
+    return settings

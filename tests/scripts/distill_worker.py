@@ -18,7 +18,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from trl_distill import LOSS_TYPES, DistillationConfig, DistillationTrainer
 from trl_distill.modeling import gathered
 from trl_distill.teacher import Teacher
-from trl_distill.testing import synthetic_prompt_completion
+from trl_distill.testing import synthetic_prompt_completion, tiny_run_settings
 
 STUDENT_ZERO2 = {
     "zero_optimization": {"stage": 2, "overlap_comm": False},
@@ -122,24 +122,14 @@ def main():
     tok = AutoTokenizer.from_pretrained(os.path.join(pair, "tokenizer"))
     dataset = synthetic_prompt_completion(64)
     args = DistillationConfig(
-        output_dir=os.path.join(out, mode),
-        per_device_train_batch_size=2,
-        per_device_eval_batch_size=4,
-        max_steps=24,
-        logging_steps=1,
-        save_strategy="steps",
-        save_steps=8,
-        learning_rate=2e-3,
-        lr_scheduler_type="constant",
-        bf16=False,
-        gradient_checkpointing=False,
-        report_to="none",
-        seed=0,
-        alpha=0.5,
-        temperature=2.0,
-        deepspeed=STUDENT_ZERO3 if mode == "zero3_student" else STUDENT_ZERO2,
-        disable_tqdm=True,
-        use_cpu=mode == "divergences",  # `use_cpu=True` with DeepSpeed must give the same 2-process setup
+        **tiny_run_settings(
+            output_dir=os.path.join(out, mode),
+            per_device_train_batch_size=2,
+            save_strategy="steps",
+            save_steps=8,
+            deepspeed=STUDENT_ZERO3 if mode == "zero3_student" else STUDENT_ZERO2,
+            use_cpu=mode == "divergences",  # `use_cpu=True` with DeepSpeed must give the same 2-process setup
+        )
     )
     trainer = RecordingTrainer(
         os.path.join(pair, "student"),
