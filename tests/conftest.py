@@ -26,7 +26,7 @@ def zero2_zero3_runs(tiny_pair, tmp_path_factory) -> dict:
     """The 2-process runs of tests/scripts/distill_worker.py: ZeRO-2 student, ZeRO-3 teacher, DeepSpeed on CPU.
 
     Returns ``{"main": [rank0, rank1], "resume": [...], "divergences": [...], "zero3_student": [...],
-    "dir": Path}``.
+    "ddp": [...], "dir": Path}``.
     """
     out = tmp_path_factory.mktemp("zero2_zero3")
     worker = SCRIPTS / "distill_worker.py"
@@ -35,7 +35,8 @@ def zero2_zero3_runs(tiny_pair, tmp_path_factory) -> dict:
     launch(worker, pair, str(out), "resume", str(out / "main" / "checkpoint-8"), timeout=300)
     launch(worker, pair, str(out), "divergences", timeout=300)
     launch(worker, pair, str(out), "zero3_student", timeout=300)
-    runs = {mode: _read_ranks(out / mode) for mode in ("main", "resume", "divergences", "zero3_student")}
+    launch(worker, pair, str(out), "ddp", timeout=300)
+    runs = {mode: _read_ranks(out / mode) for mode in ("main", "resume", "divergences", "zero3_student", "ddp")}
     runs["dir"] = out
     return runs
 

@@ -195,6 +195,18 @@ def test_zero3_student_beside_zero3_teacher(zero2_zero3_runs):
     assert "model.safetensors" in zero2_zero3_runs["zero3_student"][0]["final_files"]
 
 
+def test_ddp_without_deepspeed(zero2_zero3_runs):
+    """2 processes without DeepSpeed: DDP student, a plain frozen teacher on each rank, the same losses."""
+    zero2 = logged(zero2_zero3_runs["main"][0]["log_history"])
+    for rec in zero2_zero3_runs["ddp"]:
+        assert rec["world_size"] == 2 and rec["teacher_is_plain"]
+        assert rec["student_wrapper"] == "DistributedDataParallel"
+        ddp = logged(rec["log_history"])
+        assert sorted(ddp) == list(range(1, 7))
+        for step, value in ddp.items():
+            assert value == pytest.approx(zero2[step], rel=1e-5), step
+
+
 def test_accelerate_launch_use_deepspeed(tiny_pair, tmp_path):
     """`accelerate launch --use_deepspeed` on a machine without GPU: world size 2, no setup code in the script."""
     script = Path(__file__).parent / "scripts" / "accelerate_worker.py"

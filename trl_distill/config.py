@@ -7,7 +7,7 @@ from typing import Any
 
 from trl import SFTConfig
 
-from .distributed import prepare_cpu_deepspeed_state
+from .distributed import prepare_cpu_distributed_state
 from .losses import LOSS_TYPES
 
 
@@ -106,5 +106,5 @@ class DistillationConfig(SFTConfig):
                 raise ValueError(f"{name} must be in [0, 1], got {value}.")
         if self.loss_chunk_size is not None and self.loss_chunk_size < 1:
             raise ValueError(f"loss_chunk_size must be a positive integer or None, got {self.loss_chunk_size}.")
-        prepare_cpu_deepspeed_state(self)
+        prepare_cpu_distributed_state(self)
         super().__post_init__()

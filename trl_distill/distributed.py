@@ -1,4 +1,4 @@
-"""Make DeepSpeed work on machines without a GPU, with no setup code from the user.
+"""Make DeepSpeed (and DDP) work on machines without a GPU, with no setup code from the user.
 
 On a CPU-only machine accelerate's `PartialState` picks no backend for DeepSpeed, so the state says one process
 while torch.distributed has several, and the Trainer fails its batch-size check. `TrainingArguments` ignores
@@ -49,15 +49,24 @@ def _destroy_process_group() -> None:
         torch.distributed.destroy_process_group()
 
 
-def prepare_cpu_deepspeed_state(args) -> None:
-    """If `args` ask for DeepSpeed and there is no GPU, set up a gloo `PartialState` and point `args` at it.
+def prepare_cpu_distributed_state(args) -> None:
+    """Make a machine without GPU train on every launched process, with or without DeepSpeed.
 
-    Call before `TrainingArguments.__post_init__` (our `DistillationConfig` does). A no-op with a GPU, without
-    DeepSpeed, or when the user already configured a state. `use_cpu=True` takes the same path: the Trainer's
-    own CPU branch would leave DeepSpeed's process group uninitialised until the first engine, so a teacher
-    loaded under `zero.Init` would see a world size of 1.
+    With DeepSpeed: set up a gloo `PartialState` and point `args` at it. Without DeepSpeed but launched on
+    several processes: set `use_cpu=True`, the Trainer's own way to get a gloo DDP group. Call before
+    `TrainingArguments.__post_init__` (our `DistillationConfig` does). A no-op with a GPU.
+
+    `use_cpu=True` with DeepSpeed takes the DeepSpeed path too: the Trainer's own CPU branch would leave
+    DeepSpeed's process group uninitialised until the first engine, so a teacher loaded under `zero.Init`
+    would see a world size of 1.
     """
-    if not _deepspeed_requested(args) or _has_accelerator():
+    if _has_accelerator():
+        return
+    if not _deepspeed_requested(args):
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # DDP under torchrun/accelerate without GPU: the Trainer only sets up gloo with `use_cpu=True`;
+            # without it every rank would train alone, silently.
+            args.use_cpu = True
         return
     _set_single_process_env()
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"

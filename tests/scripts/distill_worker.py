@@ -3,7 +3,7 @@ and computes into ``<out>/<mode>/rank<k>.json``. Launched by tests through `trl_
 
 Modes: ``main`` (evaluate, train with checkpoints, then the checks below); ``resume`` (resume ``main``'s
 checkpoint given as the fourth argument); ``divergences`` (one optimizer step with each divergence);
-``zero3_student`` (ZeRO-3 for the student too).
+``zero3_student`` (ZeRO-3 for the student too); ``ddp`` (no DeepSpeed at all).
 """
 
 import json
@@ -127,7 +127,7 @@ def main():
             per_device_train_batch_size=2,
             save_strategy="steps",
             save_steps=8,
-            deepspeed=STUDENT_ZERO3 if mode == "zero3_student" else STUDENT_ZERO2,
+            deepspeed={"zero3_student": STUDENT_ZERO3, "ddp": None}.get(mode, STUDENT_ZERO2),
             use_cpu=mode == "divergences",  # `use_cpu=True` with DeepSpeed must give the same 2-process setup
         )
     )
@@ -142,11 +142,20 @@ def main():
     trainer.seen = []
     rank = trainer.args.process_index
     rec = {"rank": rank, "world_size": trainer.args.world_size, "num_processes": trainer.accelerator.num_processes}
-    trainer.add_callback(ShareRecorder(trainer, rec))
+    if mode != "ddp":
+        trainer.add_callback(ShareRecorder(trainer, rec))
 
     if mode == "resume":
         trainer.train(resume_from_checkpoint=resume_from)
         rec["log_history"] = trainer.state.log_history
+        return write(out, mode, rank, rec)
+    if mode == "ddp":  # no DeepSpeed: DDP student, plain frozen teacher on each rank
+        trainer.args.max_steps = 6
+        trainer.args.save_strategy = "no"
+        trainer.train()
+        rec["log_history"] = trainer.state.log_history
+        rec["teacher_is_plain"] = not any(hasattr(p, "ds_id") for p in trainer.teacher.module.parameters())
+        rec["student_wrapper"] = type(trainer.model_wrapped).__name__
         return write(out, mode, rank, rec)
     if mode == "zero3_student":  # ZeRO-3 for both: evaluate, train 6 steps, save
         trainer.args.max_steps = 6
