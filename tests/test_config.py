@@ -28,6 +28,10 @@ def test_every_divergence_accepted(divergence):
         ({"beta": -0.1}, r"beta must be in \[0, 1\]"),
         ({"skew_alpha": 2.0}, r"skew_alpha must be in \[0, 1\]"),
         ({"loss_chunk_size": 0}, "loss_chunk_size must be a positive integer"),
+        (
+            {"auto_find_batch_size": True, "deepspeed": {"zero_optimization": {"stage": 2}}},
+            "auto_find_batch_size is not supported with DeepSpeed",
+        ),
     ],
 )
 def test_bad_values_fail_with_the_fix(kwargs, message):

@@ -106,5 +106,10 @@ class DistillationConfig(SFTConfig):
                 raise ValueError(f"{name} must be in [0, 1], got {value}.")
         if self.loss_chunk_size is not None and self.loss_chunk_size < 1:
             raise ValueError(f"loss_chunk_size must be a positive integer or None, got {self.loss_chunk_size}.")
+        if self.auto_find_batch_size and (self.deepspeed or self.teacher_deepspeed):
+            raise ValueError(
+                "auto_find_batch_size is not supported with DeepSpeed here: retrying a smaller batch would rebuild "
+                "the student's engine but not the teacher's. Set per_device_train_batch_size yourself."
+            )
         prepare_cpu_distributed_state(self)
         super().__post_init__()
