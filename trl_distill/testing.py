@@ -20,6 +20,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 from .distributed import free_port
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+# A minimal chat template; assistant turns are marked for SFT's `assistant_only_loss`.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<s>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '</s>' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + '</s>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<s>assistant\\n' }}{% endif %}"
+)
 _WORDS = (
     "the a teacher student model learns small large knowledge from to and of in is distills "
     "token loss data train step rank zero stage gather shard memory fast slow cat dog red blue"
@@ -58,7 +65,7 @@ def build_tokenizer(vocab_size: int = 256, corpus: list[str] | None = None) -> P
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHAT_TEMPLATE, **SPECIAL_TOKENS)
 
 
 def tiny_llama_config(tokenizer: PreTrainedTokenizerFast, size: str = "student", **overrides) -> LlamaConfig:
@@ -114,6 +121,7 @@ def launch(
     env: dict[str, str] | None = None,
     launcher: str = "torchrun",
     launcher_args: tuple[str, ...] = (),
+    cwd: str | os.PathLike | None = None,
 ) -> subprocess.CompletedProcess:
     """Run `script` on `nproc` processes on loopback, one thread per rank.
 
@@ -137,7 +145,8 @@ def launch(
     cmd += [*launcher_args, str(script), *script_args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     proc = subprocess.Popen(
-        cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        cwd=cwd,
     )
     try:
         out, _ = proc.communicate(timeout=timeout)

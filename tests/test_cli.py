@@ -1,0 +1,107 @@
+"""`trl-distill` / `python -m trl_distill`: flags, dataset formats, bad input, 2 processes via accelerate."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from trl_distill.cli import main
+from trl_distill.testing import launch, synthetic_prompt_completion
+
+ROOT = Path(__file__).parent.parent
+FAST = ["--max_steps", "2", "--bf16", "false", "--gradient_checkpointing", "false", "--report_to", "none",
+        "--logging_steps", "1", "--disable_tqdm", "true", "--save_strategy", "no"]
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory) -> dict[str, str]:
+    """The same examples in each format SFT reads, saved the ways users keep them."""
+    tmp = tmp_path_factory.mktemp("datasets")
+    ds = synthetic_prompt_completion(24)
+    paths = {"prompt_completion": str(tmp / "pc.jsonl"), "text": str(tmp / "lm.parquet"),
+             "messages": str(tmp / "conversations"), "bad_columns": str(tmp / "bad.csv")}
+    ds.to_json(paths["prompt_completion"])
+    ds.map(lambda r: {"text": r["prompt"] + r["completion"]}, remove_columns=["prompt", "completion"]).to_parquet(
+        paths["text"]
+    )
+    ds.map(
+        lambda r: {"messages": [{"role": "user", "content": r["prompt"]},
+                                {"role": "assistant", "content": r["completion"]}]},
+        remove_columns=["prompt", "completion"],
+    ).save_to_disk(paths["messages"])
+    ds.rename_column("prompt", "question").to_csv(paths["bad_columns"])
+    return paths
+
+
+def base_args(tiny_pair, dataset, output_dir):
+    return ["--model_name_or_path", tiny_pair["student"], "--teacher_model_name_or_path", tiny_pair["teacher"],
+            "--dataset_name", dataset, "--output_dir", str(output_dir), "--use_cpu", *FAST]
+
+
+def test_help_lists_teacher_and_loss_flags():
+    out = subprocess.run([sys.executable, "-m", "trl_distill", "--help"], capture_output=True, text=True, check=True)
+    for flag in ("--teacher_model_name_or_path", "--teacher_deepspeed", "--divergence", "--temperature", "--alpha",
+                 "--beta", "--skew_alpha", "--loss_chunk_size", "--dataset_name", "--use_peft", "--lora_r"):
+        assert flag in out.stdout, flag
+    assert "Path or hub id of the teacher model" in out.stdout
+    assert "forward_kl,reverse_kl,jsd,skew_forward_kl,skew_reverse_kl,tvd" in out.stdout
+
+
+@pytest.mark.parametrize("fmt", ["prompt_completion", "text", "messages"])
+def test_each_dataset_format_trains_and_saves(tiny_pair, datasets, tmp_path, fmt):
+    extra = ["--assistant_only_loss", "true"] if fmt == "messages" else []
+    main(base_args(tiny_pair, datasets[fmt], tmp_path / "out") + extra)
+    student = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert sum(p.numel() for p in student.parameters()) == 37280
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"--teacher_model_name_or_path": "./no/such/teacher"}, "no model directory at './no/such/teacher'"),
+        ({"--divergence": "kl"}, "argument --divergence: invalid choice: 'kl'"),
+        ({"--dataset_name": "./no_such_data.jsonl"}, "Dataset path not found"),
+        ({"--dataset_name": "bad_columns"}, "match no supported format"),
+        ({"--temperature": "0"}, "temperature must be > 0"),
+    ],
+)
+def test_bad_input_fails_with_one_line_and_writes_nothing(tiny_pair, datasets, tmp_path, capsys, change, message):
+    args = base_args(tiny_pair, datasets["prompt_completion"], tmp_path / "out")
+    for flag, value in change.items():
+        value = datasets.get(value, value)
+        if flag in args:
+            args[args.index(flag) + 1] = value
+        else:
+            args += [flag, value]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1]
+    assert err[-1].startswith("trl-distill: error:")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.distributed
+def test_two_processes_with_the_headline_accelerate_config(tiny_pair, datasets, tmp_path):
+    """`accelerate launch --config_file configs/accelerate/zero2_student_zero3_teacher.yaml -m trl_distill`."""
+    out = tmp_path / "out"
+    args = base_args(tiny_pair, datasets["prompt_completion"], out)
+    args.remove("--use_cpu")
+    yaml = str(ROOT / "configs" / "accelerate" / "zero2_student_zero3_teacher.yaml")
+    result = launch("trl_distill", *args, "--teacher_deepspeed", str(ROOT / "configs/deepspeed/zero3_teacher.json"),
+                    launcher="accelerate", launcher_args=("--config_file", yaml, "-m"), cwd=ROOT)
+    assert result.stdout.count("'kd_loss'") == 2  # logged once per step (rank 0 prints)
+    assert "model.safetensors" in {p.name for p in out.iterdir()}
+    AutoModelForCausalLM.from_pretrained(out)
+
+
+@pytest.mark.distributed
+def test_bad_input_fails_on_every_rank(tiny_pair, datasets, tmp_path):
+    args = base_args(tiny_pair, datasets["bad_columns"], tmp_path / "out")
+    with pytest.raises(RuntimeError) as failure:
+        launch("trl_distill", *args, launcher_args=("-m",), timeout=120)
+    assert str(failure.value).count("trl-distill: error: The 'train' split has columns") == 2
+    assert not (tmp_path / "out").exists()

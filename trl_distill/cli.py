@@ -1,0 +1,97 @@
+"""`trl-distill`: distil a teacher into a student from the command line, the way `trl sft` trains.
+
+    trl-distill --model_name_or_path STUDENT --teacher_model_name_or_path TEACHER --dataset_name DATA \
+        --output_dir OUT [--config recipe.yaml] [--divergence reverse_kl ...] [--use_peft --lora_r 16 ...]
+
+Runs under `accelerate launch --config_file configs/...yaml`, `torchrun` and plain `python -m trl_distill`.
+Every `DistillationConfig` (so `SFTConfig` and `TrainingArguments`) field is a flag, as are TRL's
+`ScriptArguments` (dataset) and `ModelConfig` (student model, PEFT) fields.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def make_parser():
+    from trl import ModelConfig, ScriptArguments, TrlParser
+
+    from .config import DistillationConfig
+
+    return TrlParser((ScriptArguments, DistillationConfig, ModelConfig), prog="trl-distill")
+
+
+def _looks_local(path: str) -> bool:
+    return os.path.isabs(path) or path.startswith(".") or path.count("/") > 1
+
+
+def validate(script_args, training_args, model_args) -> None:
+    """Checks that need no model: fail in seconds, before anything is loaded or written."""
+    if not model_args.model_name_or_path:
+        raise ValueError("Pass the student with --model_name_or_path.")
+    if not training_args.teacher_model_name_or_path:
+        raise ValueError("Pass the teacher with --teacher_model_name_or_path.")
+    for flag, path in (
+        ("--model_name_or_path", model_args.model_name_or_path),
+        ("--teacher_model_name_or_path", training_args.teacher_model_name_or_path),
+    ):
+        if _looks_local(path) and not os.path.isdir(path):
+            raise FileNotFoundError(f"{flag}: no model directory at {path!r}.")
+    if not script_args.dataset_name:
+        raise ValueError("Pass a dataset with --dataset_name (a hub id, a .jsonl/.json/.parquet/.csv file or a dir).")
+
+
+def run(script_args, training_args, model_args) -> None:
+    from trl import get_peft_config
+
+    from .data import check_format, load_dataset_any
+    from .trainer import DistillationTrainer
+
+    validate(script_args, training_args, model_args)
+    dataset = load_dataset_any(script_args.dataset_name, script_args.dataset_config)
+    if script_args.dataset_train_split not in dataset:
+        raise ValueError(
+            f"No split {script_args.dataset_train_split!r} in the dataset (found {sorted(dataset)}); "
+            "set --dataset_train_split."
+        )
+    train = dataset[script_args.dataset_train_split]
+    if training_args.dataset_text_field == "text":  # a custom text field is SFT's to check
+        check_format(train, script_args.dataset_train_split)
+    evaluation = None
+    if training_args.eval_strategy != "no":
+        evaluation = dataset.get(script_args.dataset_test_split)
+        if evaluation is None:
+            raise ValueError(
+                f"eval_strategy is {training_args.eval_strategy!r} but the dataset has no "
+                f"{script_args.dataset_test_split!r} split; set --dataset_test_split or --eval_strategy no."
+            )
+    model_init_kwargs = {"revision": model_args.model_revision, "attn_implementation": model_args.attn_implementation,
+                         "dtype": model_args.dtype, "trust_remote_code": training_args.trust_remote_code}
+    training_args.model_init_kwargs = {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
+    trainer = DistillationTrainer(
+        model_args.model_name_or_path,
+        args=training_args,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        peft_config=get_peft_config(model_args),
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    trainer.accelerator.print(f"Distilled student saved to {training_args.output_dir}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `trl-distill` console script and `python -m trl_distill`."""
+    parser = make_parser()
+    try:
+        script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
+        run(script_args, training_args, model_args)
+    except (ValueError, FileNotFoundError, TypeError) as error:
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"trl-distill: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Datasets for the CLI: a hub id or a local file / directory, in one of the formats SFT reads."""
+
+from __future__ import annotations
+
+import os
+
+from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+
+_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+FORMATS = {
+    "language modeling": ("text",),
+    "prompt-completion": ("prompt", "completion"),
+    "conversational": ("messages",),
+}
+
+
+def load_dataset_any(name: str, config: str | None = None) -> DatasetDict:
+    """Load `name` as a `DatasetDict`: a local .jsonl/.json/.parquet/.csv/.arrow file (split "train"), a
+    directory saved with `save_to_disk`, a directory of data files, or a hub id."""
+    looks_local = os.path.sep in name or name.startswith(".") or os.path.splitext(name)[1] in _FILE_BUILDERS
+    if os.path.isfile(name):
+        builder = _FILE_BUILDERS.get(os.path.splitext(name)[1].lower())
+        if builder is None:
+            raise ValueError(f"Unsupported dataset file {name!r}: use one of {', '.join(_FILE_BUILDERS)}.")
+        return load_dataset(builder, data_files={"train": name})
+    if os.path.isdir(name):
+        if os.path.exists(os.path.join(name, "dataset_dict.json")) or os.path.exists(
+            os.path.join(name, "dataset_info.json")
+        ):
+            loaded = load_from_disk(name)
+            return loaded if isinstance(loaded, DatasetDict) else DatasetDict({"train": loaded})
+        return load_dataset(name, name=config)
+    if looks_local:
+        raise FileNotFoundError(f"Dataset path not found: {name!r}.")
+    return load_dataset(name, name=config)
+
+
+def check_format(dataset: Dataset, split: str = "train") -> str:
+    """The SFT format of `dataset` (see `FORMATS`), or one clear error naming the columns found and expected."""
+    columns = set(dataset.column_names)
+    for fmt, needed in FORMATS.items():
+        if set(needed) <= columns:
+            return fmt
+    expected = "; ".join(f"{fmt}: {', '.join(cols)}" for fmt, cols in FORMATS.items())
+    raise ValueError(
+        f"The {split!r} split has columns {sorted(columns)}, which match no supported format. Expected "
+        f"{expected}. Rename the columns (or pass `--dataset_text_field` for a text column with another name)."
+    )
