@@ -1,0 +1,49 @@
+"""The shipped configs: every DeepSpeed JSON loads and says what it is; recipes parse into the CLI."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trl_distill.cli import make_parser
+from trl_distill.deepspeed_config import load_deepspeed_config
+
+CONFIGS = Path(__file__).parent.parent / "configs"
+
+
+@pytest.mark.parametrize(
+    "name, stage, offload",
+    [
+        ("zero2_student.json", 2, None),
+        ("zero2_student_offload_optimizer.json", 2, "offload_optimizer"),
+        ("zero3_student.json", 3, None),
+        ("zero3_teacher.json", 3, None),
+        ("zero3_teacher_offload_params.json", 3, "offload_param"),
+    ],
+)
+def test_deepspeed_configs(name, stage, offload):
+    config = load_deepspeed_config(str(CONFIGS / "deepspeed" / name))
+    assert config["zero_optimization"]["stage"] == stage
+    assert "optimizer" not in config and "scheduler" not in config  # the Trainer's optimizer is used
+    if offload:
+        assert config["zero_optimization"][offload]["device"] == "cpu"
+
+
+def test_accelerate_configs_point_at_shipped_files():
+    for path in (CONFIGS / "accelerate").glob("*.yaml"):
+        config = yaml.safe_load(path.read_text())
+        ds_file = config.get("deepspeed_config", {}).get("deepspeed_config_file")
+        if ds_file:
+            assert (CONFIGS.parent / ds_file).is_file(), (path.name, ds_file)
+        assert config["num_processes"] >= config["num_machines"]
+
+
+def test_recipe_parses_with_command_line_overrides():
+    recipe = str(CONFIGS / "recipes" / "quickstart.yaml")
+    _, args, model_args = make_parser().parse_args_and_config(
+        ["--config", recipe, "--model_name_or_path", "s", "--output_dir", "o", "--use_cpu", "--max_steps", "7"]
+    )
+    assert args.max_steps == 7  # the command line wins over the recipe
+    assert args.divergence == "forward_kl" and args.alpha == 1.0 and args.learning_rate == 3e-3
+    assert args.teacher_deepspeed == "configs/deepspeed/zero3_teacher.json"
+    assert model_args.model_name_or_path == "s"
