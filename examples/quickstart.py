@@ -1,48 +1,60 @@
-"""The quickstart: build a tiny teacher and student, teach the teacher, distil it, show before/after.
+"""The quickstart: teach a small teacher a bundled corpus, distil it into a smaller student, show before/after.
 
     make quickstart          # or: python examples/quickstart.py [--output_dir DIR] [--nproc 2]
 
-1. Builds a tokenizer, a teacher (~200k parameters) and a smaller student (~37k) locally, from configs.
-2. Teaches the teacher the bundled toy task (reverse a list of words) with `trl.SFTTrainer`, one process.
-3. Distils it into the student with `DistillationTrainer` on 2 processes: ZeRO-2 student, ZeRO-3 teacher
-   (DeepSpeed on CPU works out of the box), via `examples/distill.py`.
-4. Prints student–teacher KL, top-1 agreement and the student's held-out loss, before and after.
+1. Trains a BPE tokenizer on the bundled corpus (`examples/data/python_reference`: the Python Language
+   Reference topics that ship with CPython, split into train and held-out by topic), then builds a teacher
+   (~1.4M parameters) and a smaller student (~0.3M) from configs.
+2. Gives the teacher real knowledge: trains it on the corpus with `trl.SFTTrainer` (one process).
+3. Distils it into the student with the `trl-distill` CLI on 2 processes, the headline setup: ZeRO-2 student
+   and ZeRO-3 teacher (DeepSpeed on CPU works out of the box), via
+   `accelerate launch --config_file configs/accelerate/zero2_student_zero3_teacher.yaml -m trl_distill
+   --config configs/recipes/quickstart.yaml ...`.
+4. Prints, on the held-out topics: KL(teacher‖student), top-1 agreement with the teacher and the student's
+   cross-entropy, before and after (and the teacher's own cross-entropy for reference).
 """
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
+import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from datasets import load_dataset
+from transformers import AutoModelForCausalLM
 from trl import SFTConfig, SFTTrainer
 
 from trl_distill import divergence
 from trl_distill.distributed import free_port
-from trl_distill.testing import build_tiny_model, build_tokenizer, synthetic_prompt_completion
+from trl_distill.testing import build_tiny_model, build_tokenizer
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORPUS = os.path.join(ROOT, "examples", "data", "python_reference")
+SIZES = {  # Llama configs; both read sequences of up to 128 tokens
+    "teacher": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4),
+    "student": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2),
+}
+MAX_LENGTH = 128
 
 
 @torch.no_grad()
-def compare(student, teacher, tokenizer, dataset) -> dict[str, float]:
-    """Held-out student–teacher KL(p‖q), top-1 agreement and student CE on completion tokens."""
-    kl = agree = ce = n = 0.0
-    for row in dataset:
-        prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-        full = tokenizer(row["prompt"] + row["completion"], add_special_tokens=False)["input_ids"]
-        ids = torch.tensor([full + [tokenizer.eos_token_id]])
-        mask = torch.zeros(ids.shape[1] - 1, dtype=torch.bool)
-        mask[len(prompt) - 1 :] = True
-        s, t = student(ids).logits[0, :-1], teacher(ids).logits[0, :-1]
-        tokens = mask.sum().item()
-        kl += divergence(s, t, "forward_kl", mask=mask).item() * tokens
-        agree += (s.argmax(-1) == t.argmax(-1))[mask].sum().item()
-        ce += torch.nn.functional.cross_entropy(s[mask], ids[0, 1:][mask], reduction="sum").item()
-        n += tokens
-    return {"kl_to_teacher": kl / n, "top1_agreement": agree / n, "heldout_ce": ce / n}
+def compare(student, teacher, tokenizer, texts: list[str]) -> dict[str, float]:
+    """Per-token held-out KL(teacher‖student), top-1 agreement, student and teacher cross-entropy."""
+    sums = dict.fromkeys(("kl_to_teacher", "top1_agreement", "student_ce", "teacher_ce"), 0.0)
+    tokens = 0
+    for text in texts:
+        ids = tokenizer(text, truncation=True, max_length=MAX_LENGTH, return_tensors="pt")["input_ids"]
+        s, t, target = student(ids).logits[0, :-1], teacher(ids).logits[0, :-1], ids[0, 1:]
+        n = target.numel()
+        sums["kl_to_teacher"] += divergence(s, t, "forward_kl").item() * n
+        sums["top1_agreement"] += (s.argmax(-1) == t.argmax(-1)).sum().item()
+        sums["student_ce"] += torch.nn.functional.cross_entropy(s, target, reduction="sum").item()
+        sums["teacher_ce"] += torch.nn.functional.cross_entropy(t, target, reduction="sum").item()
+        tokens += n
+    return {key: value / tokens for key, value in sums.items()}
 
 
 def main():
@@ -50,24 +62,28 @@ def main():
     parser.add_argument("--output_dir", default="outputs/quickstart")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--teacher_steps", type=int, default=300)
-    parser.add_argument("--distill_steps", type=int, default=150)
+    parser.add_argument("--distill_steps", type=int, default=None, help="default: the recipe's max_steps")
     args = parser.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    start = time.time()
     out = os.path.abspath(args.output_dir)
     paths = {name: os.path.join(out, name) for name in ("teacher", "student", "distilled")}
+    corpus = load_dataset("json", data_files={s: os.path.join(CORPUS, f"{s}.jsonl") for s in ("train", "heldout")})
+    heldout = corpus["heldout"]["text"]
 
-    print("[1/4] building a tokenizer, a teacher and a student locally")
-    tokenizer = build_tokenizer()
-    teacher, student = build_tiny_model(tokenizer, "teacher", seed=0), build_tiny_model(tokenizer, "student", seed=1)
-    heldout = synthetic_prompt_completion(64, seed=99)
+    print(f"[1/4] training a tokenizer on {len(corpus['train'])} pieces of the Python reference; building models")
+    tokenizer = build_tokenizer(vocab_size=2048, corpus=corpus["train"]["text"])
+    teacher = build_tiny_model(tokenizer, "teacher", seed=0, max_position_embeddings=MAX_LENGTH, **SIZES["teacher"])
+    student = build_tiny_model(tokenizer, "student", seed=1, max_position_embeddings=MAX_LENGTH, **SIZES["student"])
 
-    print(f"[2/4] teaching the teacher the toy task ({args.teacher_steps} steps, trl.SFTTrainer)")
+    print(f"[2/4] teaching the teacher the corpus ({args.teacher_steps} steps, trl.SFTTrainer, 1 process)")
     sft = SFTConfig(
         output_dir=os.path.join(out, "teacher_sft"), max_steps=args.teacher_steps, per_device_train_batch_size=16,
-        learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=10, logging_steps=50, save_strategy="no",
-        bf16=False, gradient_checkpointing=False, report_to="none", use_cpu=True, disable_tqdm=True,
+        max_length=MAX_LENGTH, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=20, logging_steps=100,
+        save_strategy="no", bf16=False, gradient_checkpointing=False, report_to="none", use_cpu=True,
+        disable_tqdm=True, seed=0,
     )
-    SFTTrainer(teacher, args=sft, train_dataset=synthetic_prompt_completion(512, seed=0),
+    SFTTrainer(teacher, args=sft, train_dataset=corpus["train"].select_columns("text"),
                processing_class=tokenizer).train()
     for name, model in (("teacher", teacher), ("student", student)):
         model.save_pretrained(paths[name])
@@ -75,23 +91,33 @@ def main():
     teacher.eval()
     before = compare(student.eval(), teacher, tokenizer, heldout)
 
-    print(f"[3/4] distilling on {args.nproc} processes: ZeRO-2 student + ZeRO-3 teacher (DeepSpeed)")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.join(HERE, "distill.py"),
-           "--teacher", paths["teacher"], "--student", paths["student"], "--output_dir", paths["distilled"],
-           "--max_steps", str(args.distill_steps)]
-    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    print(f"      teacher trained; {time.time() - start:.0f} s so far")
+    print(f"[3/4] distilling with the trl-distill CLI on {args.nproc} processes: ZeRO-2 student + ZeRO-3 teacher")
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", "configs/accelerate/zero2_student_zero3_teacher.yaml",
+        f"--num_processes={args.nproc}", f"--main_process_port={free_port()}",
+        "-m", "trl_distill", "--config", "configs/recipes/quickstart.yaml",
+        "--model_name_or_path", paths["student"], "--teacher_model_name_or_path", paths["teacher"],
+        "--dataset_name", os.path.join(CORPUS, "train.jsonl"), "--output_dir", paths["distilled"],
+    ]
+    if args.distill_steps is not None:
+        cmd += ["--max_steps", str(args.distill_steps)]
+    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
-    print("[4/4] held-out comparison (completion tokens)")
+    print(f"      distilled; {time.time() - start:.0f} s so far")
+    print("[4/4] held-out comparison (held-out topics, every token)")
     distilled = AutoModelForCausalLM.from_pretrained(paths["distilled"]).eval()
-    after = compare(distilled, teacher, AutoTokenizer.from_pretrained(paths["distilled"]), heldout)
-    with open(os.path.join(paths["distilled"], "distill_summary.json")) as f:
-        share = json.load(f)["teacher_share_per_rank"]
+    after = compare(distilled, teacher, tokenizer, heldout)
     print(f"\n{'metric':<18}{'before':>10}{'after':>10}")
-    for key in before:
+    for key in ("kl_to_teacher", "top1_agreement", "student_ce"):
         print(f"{key:<18}{before[key]:>10.4f}{after[key]:>10.4f}")
-    print(f"\nteacher parameters held per rank during distillation: {share:.2f} of the teacher")
-    print(f"distilled student saved to {paths['distilled']}")
+    print(f"{'(teacher_ce)':<18}{before['teacher_ce']:>10.4f}{after['teacher_ce']:>10.4f}")
+    print(f"\nstudent held-out perplexity {math.exp(before['student_ce']):.1f} -> {math.exp(after['student_ce']):.1f} "
+          f"(teacher {math.exp(after['teacher_ce']):.1f}); distilled student saved to {paths['distilled']}")
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump({"before": before, "after": after, "seconds": time.time() - start}, f, indent=2)
+    print(f"quickstart finished in {time.time() - start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """`trl-distill` / `python -m trl_distill`: flags, dataset formats, bad input, 2 processes via accelerate."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -51,8 +52,7 @@ def test_help_lists_teacher_and_loss_flags():
 
 @pytest.mark.parametrize("fmt", ["prompt_completion", "text", "messages"])
 def test_each_dataset_format_trains_and_saves(tiny_pair, datasets, tmp_path, fmt):
-    extra = ["--assistant_only_loss", "true"] if fmt == "messages" else []
-    main(base_args(tiny_pair, datasets[fmt], tmp_path / "out") + extra)
+    main(base_args(tiny_pair, datasets[fmt], tmp_path / "out"))  # messages: assistant tokens by default
     student = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert sum(p.numel() for p in student.parameters()) == 37280
 
@@ -105,3 +105,32 @@ def test_bad_input_fails_on_every_rank(tiny_pair, datasets, tmp_path):
         launch("trl_distill", *args, launcher_args=("-m",), timeout=120)
     assert str(failure.value).count("trl-distill: error: The 'train' split has columns") == 2
     assert not (tmp_path / "out").exists()
+
+
+def test_plain_python_with_deepspeed_and_tensorboard(tiny_pair, datasets, tmp_path):
+    """`python -m trl_distill` in a fresh process: one-process DeepSpeed, and `--report_to tensorboard` logs the
+    distillation losses."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = base_args(tiny_pair, datasets["prompt_completion"], tmp_path / "out")
+    args.remove("--use_cpu")
+    args[args.index("--report_to") + 1] = "tensorboard"
+    args += ["--deepspeed", str(ROOT / "configs/deepspeed/zero2_student.json")]
+    env = {**os.environ, "TENSORBOARD_LOGGING_DIR": str(tmp_path / "tb"), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "trl_distill", *args], check=True, capture_output=True, timeout=300, env=env)
+    events = EventAccumulator(str(tmp_path / "tb")).Reload()
+    for tag in ("train/loss", "train/kd_loss", "train/ce_loss"):
+        assert [e.step for e in events.Scalars(tag)] == [1, 2], tag
+    AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+
+
+@pytest.mark.distributed
+def test_two_processes_with_torchrun(tiny_pair, datasets, tmp_path):
+    """`torchrun --nproc_per_node 2 -m trl_distill --deepspeed zero2_student.json`: the teacher is derived ZeRO-3."""
+    out = tmp_path / "out"
+    args = base_args(tiny_pair, datasets["messages"], out)
+    args.remove("--use_cpu")
+    result = launch("trl_distill", *args, "--deepspeed", str(ROOT / "configs/deepspeed/zero2_student.json"),
+                    launcher_args=("-m",))
+    assert result.stdout.count("'kd_loss'") == 2
+    assert "model.safetensors" in {p.name for p in out.iterdir()}

@@ -179,3 +179,71 @@ def test_moe_student_with_router_loss_is_refused(tiny_pair, tmp_path):
     with pytest.raises(ValueError, match="router_aux_loss_coef=0.0"):
         DistillationTrainer(moe, tiny_pair["teacher"], args=make_config(tmp_path),
                             train_dataset=synthetic_prompt_completion(8), processing_class=tok)
+
+
+def _conversations(n=8):
+    return synthetic_prompt_completion(n).map(
+        lambda r: {"messages": [{"role": "user", "content": r["prompt"]},
+                                {"role": "assistant", "content": r["completion"]}]},
+        remove_columns=["prompt", "completion"],
+    )
+
+
+def _assistant_tokens(tok, row) -> int:
+    """Tokens rendered inside the template's generation block: the assistant's content and its `</s>`."""
+    return len(tok(row["messages"][1]["content"] + "</s>", add_special_tokens=False)["input_ids"])
+
+
+def test_conversational_data_trains_on_assistant_tokens_by_default(tiny_pair, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tiny_pair["tokenizer"])
+    data = _conversations()
+    trainer = DistillationTrainer(
+        tiny_pair["student"], tiny_pair["teacher"], args=make_config(tmp_path), train_dataset=data,
+        processing_class=tok,
+    )
+    assert trainer.args.assistant_only_loss is True
+    for row, prepared in zip(data, trainer.train_dataset):
+        labelled = sum(label != -100 for label in prepared["labels"])
+        assert labelled == _assistant_tokens(tok, row) < len(prepared["input_ids"])
+
+
+def test_template_without_generation_markers_trains_on_every_token_and_warns(tiny_pair, tmp_path, caplog):
+    tok = AutoTokenizer.from_pretrained(tiny_pair["tokenizer"])
+    tok.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '</s>' }}{% endfor %}"
+    with caplog.at_level("WARNING", logger="trl_distill.data"):
+        trainer = DistillationTrainer(
+            tiny_pair["student"], tiny_pair["teacher"], args=make_config(tmp_path), train_dataset=_conversations(),
+            processing_class=tok,
+        )
+    assert trainer.args.assistant_only_loss is False
+    assert "no `{% generation %}` markers" in caplog.text
+    prepared = trainer.train_dataset[0]
+    assert all(label != -100 for label in prepared["labels"])
+
+
+def test_stock_training_arguments_are_converted(tiny_pair, tmp_path):
+    """A `Trainer` script's `TrainingArguments` keep their values; SFT's dataset preparation is skipped."""
+    from transformers import DataCollatorForLanguageModeling, TrainingArguments
+
+    tok = AutoTokenizer.from_pretrained(tiny_pair["tokenizer"])
+    data = synthetic_prompt_completion(16).map(
+        lambda r: tok(r["prompt"] + r["completion"]), remove_columns=["prompt", "completion"]
+    )
+    stock = TrainingArguments(output_dir=str(tmp_path / "o"), learning_rate=1e-3, max_steps=3, use_cpu=True,
+                              report_to="none", per_device_train_batch_size=4, logging_steps=1)
+    trainer = DistillationTrainer(
+        model=tiny_pair["student"], teacher_model=tiny_pair["teacher"], args=stock, train_dataset=data,
+        data_collator=DataCollatorForLanguageModeling(tok, mlm=False), processing_class=tok,
+    )
+    assert isinstance(trainer.args, DistillationConfig)
+    assert (trainer.args.learning_rate, trainer.args.max_steps, trainer.args.divergence) == (1e-3, 3, "forward_kl")
+    assert trainer.train_dataset.column_names == data.column_names  # untouched, as the stock Trainer leaves it
+    trainer.train()
+    assert len(logged(trainer.state.log_history, "kd_loss")) == 3
+
+
+def test_training_arguments_in_the_teacher_slot_are_refused(tiny_pair, tmp_path):
+    from transformers import TrainingArguments
+
+    with pytest.raises(TypeError, match="the second positional argument is the teacher"):
+        DistillationTrainer(tiny_pair["student"], TrainingArguments(output_dir=str(tmp_path)))

@@ -87,6 +87,13 @@ class DistillationConfig(SFTConfig):
         default=True,
         metadata={"help": "Multiply the KD term by temperature**2 (Hinton et al.), keeping its gradient scale."},
     )
+    assistant_only_loss: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Compute KD and CE on assistant tokens only (conversational `messages` datasets). Unset: on when "
+            "the chat template has generation markers or TRL can add them, off (with a warning) otherwise."
+        },
+    )
     loss_chunk_size: int | None = field(
         default=None,
         metadata={

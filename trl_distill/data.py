@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+
+logger = logging.getLogger(__name__)
 
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 FORMATS = {
@@ -46,3 +49,32 @@ def check_format(dataset: Dataset, split: str = "train") -> str:
         f"The {split!r} split has columns {sorted(columns)}, which match no supported format. Expected "
         f"{expected}. Rename the columns (or pass `--dataset_text_field` for a text column with another name)."
     )
+
+
+def resolve_assistant_only_loss(setting: bool | None, dataset, tokenizer) -> bool:
+    """`assistant_only_loss` when left unset (None): on for a conversational `messages` dataset whose chat template
+    has `{% generation %}` markers or is one TRL can patch (`trl.chat_template_utils.get_training_chat_template`),
+    so KD and CE run on assistant tokens like they run on completions; otherwise off, with a warning."""
+    if setting is not None:
+        return setting
+    if dataset is None or isinstance(dataset, dict) or "messages" not in (dataset.column_names or []):
+        return False
+    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
+    template = getattr(tokenizer, "chat_template", None)
+    if template is None:
+        return False
+    if has_generation_markers(template):
+        return True
+    try:
+        get_training_chat_template(tokenizer)
+        return True
+    except ValueError:
+        logger.warning(
+            "The dataset is conversational but its chat template has no `{% generation %}` markers and TRL cannot "
+            "patch it, so KD and CE run on every token, the user's included. To train on assistant turns only, "
+            "give the tokenizer a chat template with `{% generation %}...{% endgeneration %}` around assistant "
+            "content, or use the prompt-completion format. Pass `--assistant_only_loss false` to silence this."
+        )
+        return False

@@ -49,6 +49,18 @@ def _destroy_process_group() -> None:
         torch.distributed.destroy_process_group()
 
 
+def _forget_single_process_state() -> None:
+    """A stock `TrainingArguments` built before ours (a `Trainer` script handed to `DistillationTrainer`) left a
+    backend-less one-process state on a multi-process launch; it holds no process group, so forget it and build
+    the gloo one. `_reset_state` is accelerate's private reset (checked against accelerate 1.15)."""
+    state = PartialState._shared_state
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if state and state.get("backend") is None and state.get("num_processes", 1) != launched:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def prepare_cpu_distributed_state(args) -> None:
     """Make a machine without GPU train on every launched process, with or without DeepSpeed.
 
@@ -70,6 +82,7 @@ def prepare_cpu_distributed_state(args) -> None:
         return
     _set_single_process_env()
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    _forget_single_process_state()
     if PartialState._shared_state == {}:
         PartialState(backend="gloo")
         atexit.register(_destroy_process_group)

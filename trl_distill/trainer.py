@@ -8,10 +8,11 @@ from functools import partial
 
 import torch
 from accelerate.utils import DeepSpeedPlugin
-from transformers import PreTrainedModel, TrainerCallback
-from trl import SFTTrainer
+from transformers import PreTrainedModel, TrainerCallback, TrainingArguments
+from trl import SFTConfig, SFTTrainer
 
 from .config import DistillationConfig
+from .data import resolve_assistant_only_loss
 from .deepspeed_config import build_teacher_config
 from .losses import chunked_distillation_loss
 from .modeling import LMHead, add_fused_distillation_forward, gathered, hidden_size
@@ -37,7 +38,8 @@ class DistillationTrainer(SFTTrainer):
         model: the student, a `PreTrainedModel` or a path / hub id.
         teacher_model: the teacher, a `PreTrainedModel` or a path / hub id; defaults to
             ``args.teacher_model_name_or_path``. Passing a path lets DeepSpeed load it already partitioned.
-        args: a [`DistillationConfig`].
+        args: a [`DistillationConfig`]; a stock `TrainingArguments` or `SFTConfig` is converted (distillation
+            fields at their defaults).
         The other arguments are `trl.SFTTrainer`'s.
     """
 
@@ -61,14 +63,22 @@ class DistillationTrainer(SFTTrainer):
         peft_config=None,
         formatting_func=None,
     ):
+        if isinstance(teacher_model, TrainingArguments):
+            raise TypeError(
+                "DistillationTrainer(model, teacher_model, args, ...): the second positional argument is the teacher. "
+                "Pass the training arguments by keyword, `args=...`."
+            )
         if args is None:
             args = DistillationConfig(output_dir="distilled-model")
         elif not isinstance(args, DistillationConfig):
-            raise TypeError(f"args must be a DistillationConfig, got {type(args).__name__}.")
+            args = _as_distillation_config(args)
         teacher_model = teacher_model if teacher_model is not None else args.teacher_model_name_or_path
         if teacher_model is None:
             raise ValueError("No teacher: pass `teacher_model=` or set `teacher_model_name_or_path` in the config.")
         self.teacher = Teacher(teacher_model, args.teacher_model_init_kwargs)
+        if args.assistant_only_loss is None:
+            processing_class = processing_class or _student_tokenizer(model, train_dataset)
+            args.assistant_only_loss = resolve_assistant_only_loss(None, train_dataset, processing_class)
         super().__init__(
             model,
             args=args,
@@ -268,6 +278,31 @@ class DistillationTrainer(SFTTrainer):
                 self._distill_sums[name] = 0.0
             self._distill_last_logged_step = self.state.global_step
         super().log(logs, start_time)
+
+
+def _student_tokenizer(model, dataset):
+    """The student's tokenizer, loaded only when a conversational dataset needs its chat template early."""
+    if dataset is None or isinstance(dataset, dict) or "messages" not in (dataset.column_names or []):
+        return None
+    from transformers import AutoTokenizer
+
+    source = model if isinstance(model, str) else getattr(model.config, "_name_or_path", None)
+    return AutoTokenizer.from_pretrained(source) if source else None
+
+
+def _as_distillation_config(args) -> DistillationConfig:
+    """A `DistillationConfig` with every value of a stock `TrainingArguments` (or `SFTConfig`), the distillation
+    fields at their defaults: what makes the trainer a drop-in for `Trainer` and `SFTTrainer` scripts.
+
+    A `Trainer` script tokenizes its own data and brings its own collator, so SFT's dataset preparation is skipped
+    for plain `TrainingArguments` (as the stock `Trainer` would do)."""
+    if not isinstance(args, TrainingArguments):
+        raise TypeError(f"args must be a DistillationConfig or TrainingArguments, got {type(args).__name__}.")
+    values = args.to_dict()
+    values["hub_token"] = args.hub_token  # to_dict hides it
+    if not isinstance(args, SFTConfig):
+        values["dataset_kwargs"] = {"skip_prepare_dataset": True}
+    return DistillationConfig(**values)
 
 
 class _LogStepSync(TrainerCallback):
