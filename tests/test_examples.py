@@ -40,8 +40,9 @@ def test_quickstart_runs_end_to_end(tmp_path):
 @pytest.mark.distributed
 def test_drop_in_trainer_script_on_two_processes(tiny_pair, tmp_path):
     out = tmp_path / "out"
+    zero2 = str(ROOT / "configs/deepspeed/zero2_student.json")
     launch(EXAMPLES / "drop_in_trainer.py", "--student", tiny_pair["student"], "--teacher", tiny_pair["teacher"],
-           "--output_dir", str(out), "--max_steps", "2", "--deepspeed", str(ROOT / "configs/deepspeed/zero2_student.json"))
+           "--output_dir", str(out), "--max_steps", "2", "--deepspeed", zero2)
     trained, initial = (AutoModelForCausalLM.from_pretrained(p) for p in (out, tiny_pair["student"]))
     moved = [not torch.equal(a, b) for a, b in zip(trained.parameters(), initial.parameters())]
     assert all(moved)

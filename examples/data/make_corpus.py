@@ -10,7 +10,6 @@ topic (in name order) goes to the held-out split, so no topic is in both splits.
 import json
 import os
 import re
-
 from pydoc_data.topics import topics
 
 MAX_CHARS = 480
