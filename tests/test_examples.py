@@ -46,3 +46,13 @@ def test_drop_in_trainer_script_on_two_processes(tiny_pair, tmp_path):
     trained, initial = (AutoModelForCausalLM.from_pretrained(p) for p in (out, tiny_pair["student"]))
     moved = [not torch.equal(a, b) for a, b in zip(trained.parameters(), initial.parameters())]
     assert all(moved)
+
+
+def test_lora_student_example_self_distills_and_merges(tiny_pair, tmp_path):
+    out = tmp_path / "lora"
+    subprocess.run([sys.executable, str(EXAMPLES / "lora_student.py"), "--student", tiny_pair["student"],
+                    "--teacher", "self", "--output_dir", str(out), "--max_steps", "2", "--no_deepspeed"],
+                   check=True, capture_output=True, timeout=300)
+    assert (out / "adapter_model.safetensors").is_file() and not (out / "model.safetensors").exists()
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged")
+    assert sum(p.numel() for p in merged.parameters()) == 37280  # the student's own size: adapters folded in

@@ -2,6 +2,7 @@
 
     trl-distill --model_name_or_path STUDENT --teacher_model_name_or_path TEACHER --dataset_name DATA \
         --output_dir OUT [--config recipe.yaml] [--divergence reverse_kl ...] [--use_peft --lora_r 16 ...]
+    trl-distill merge --adapter DIR --output DIR     # a LoRA student's adapter merged into its base model
 
 Runs under `accelerate launch --config_file configs/...yaml`, `torchrun` and plain `python -m trl_distill`.
 Every `DistillationConfig` (so `SFTConfig` and `TrainingArguments`) field is a flag, as are TRL's
@@ -10,8 +11,12 @@ Every `DistillationConfig` (so `SFTConfig` and `TrainingArguments`) field is a f
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
+
+# `trl-distill NAME ...`: tools beside training, each a module with `main(argv)`
+SUBCOMMANDS = {"merge": "trl_distill.merge"}
 
 
 def make_parser():
@@ -28,10 +33,16 @@ def _looks_local(path: str) -> bool:
 
 def validate(script_args, training_args, model_args) -> None:
     """Checks that need no model: fail in seconds, before anything is loaded or written."""
+    from .config import refuse_quantization_without_gpu
+
     if not model_args.model_name_or_path:
         raise ValueError("Pass the student with --model_name_or_path.")
     if not training_args.teacher_model_name_or_path:
         raise ValueError("Pass the teacher with --teacher_model_name_or_path.")
+    if training_args.teacher_model_name_or_path == "self" and not model_args.use_peft:
+        raise ValueError("--teacher_model_name_or_path self (self-distillation) needs a LoRA student: add --use_peft.")
+    if model_args.load_in_4bit or model_args.load_in_8bit:
+        refuse_quantization_without_gpu({"load_in_4bit": True}, "--load_in_4bit/--load_in_8bit")
     for flag, path in (
         ("--model_name_or_path", model_args.model_name_or_path),
         ("--teacher_model_name_or_path", training_args.teacher_model_name_or_path),
@@ -43,7 +54,7 @@ def validate(script_args, training_args, model_args) -> None:
 
 
 def run(script_args, training_args, model_args) -> None:
-    from trl import get_peft_config
+    from trl import get_peft_config, get_quantization_config
 
     from .data import check_format, load_dataset_any
     from .trainer import DistillationTrainer
@@ -68,6 +79,9 @@ def run(script_args, training_args, model_args) -> None:
             )
     model_init_kwargs = {"revision": model_args.model_revision, "attn_implementation": model_args.attn_implementation,
                          "dtype": model_args.dtype, "trust_remote_code": training_args.trust_remote_code}
+    quantization_config = get_quantization_config(model_args)
+    if quantization_config is not None:  # QLoRA, on a GPU (validate() refused it without one)
+        model_init_kwargs["quantization_config"] = quantization_config
     training_args.model_init_kwargs = {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
     trainer = DistillationTrainer(
         model_args.model_name_or_path,
@@ -83,6 +97,9 @@ def run(script_args, training_args, model_args) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `trl-distill` console script and `python -m trl_distill`."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
     parser = make_parser()
     try:
         script_args, training_args, model_args = parser.parse_args_and_config(args=argv)

@@ -42,7 +42,10 @@ class DistillationConfig(SFTConfig):
 
     teacher_model_name_or_path: str | None = field(
         default=None,
-        metadata={"help": "Path or hub id of the teacher model, used when no `teacher_model` is passed."},
+        metadata={
+            "help": "Path or hub id of the teacher model, used when no `teacher_model` is passed. 'self' with a "
+            "LoRA student (--use_peft): self-distillation from the student's own base with its adapters disabled."
+        },
     )
     teacher_model_init_kwargs: dict[str, Any] | str | None = field(
         default=None,
@@ -118,5 +121,23 @@ class DistillationConfig(SFTConfig):
                 "auto_find_batch_size is not supported with DeepSpeed here: retrying a smaller batch would rebuild "
                 "the student's engine but not the teacher's. Set per_device_train_batch_size yourself."
             )
+        for name in ("model_init_kwargs", "teacher_model_init_kwargs"):
+            refuse_quantization_without_gpu(getattr(self, name), name)
         prepare_cpu_distributed_state(self)
         super().__post_init__()
+
+
+def refuse_quantization_without_gpu(init_kwargs: dict | str | None, where: str) -> None:
+    """QLoRA (bitsandbytes 4-/8-bit weights) needs a CUDA GPU: say so up front instead of failing deep in loading."""
+    import torch
+
+    quantized = isinstance(init_kwargs, dict) and (
+        init_kwargs.get("quantization_config") is not None
+        or init_kwargs.get("load_in_4bit") or init_kwargs.get("load_in_8bit")
+    )
+    if quantized and not torch.cuda.is_available():
+        raise ValueError(
+            f"{where} asks for quantized (QLoRA / bitsandbytes) weights, which need a CUDA GPU, and none is visible. "
+            "Drop the quantization (--load_in_4bit / --load_in_8bit / quantization_config) to train in full "
+            "precision on this machine."
+        )

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from .modeling import add_fused_distillation_forward
+from .modeling import LMHead, add_fused_distillation_forward
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +127,9 @@ class Teacher:
         if isinstance(self.source, PreTrainedModel):
             self.source = model
 
+    def lm_head(self) -> LMHead:
+        return LMHead.of(self.module)
+
     @torch.no_grad()
     def last_hidden_state(self, model_inputs: dict) -> torch.Tensor:
         """The teacher's last hidden state ``[B, T, H_t]`` for the batch (every rank must call it: ZeRO-3
@@ -138,6 +141,39 @@ class Teacher:
                 "before computing a loss."
             )
         return self.engine(**model_inputs, fused_distillation=_return_hidden)
+
+
+SELF = "self"
+
+
+class SelfTeacher:
+    """Self-distillation of a LoRA student: the teacher is the student's own frozen base model with its adapters
+    disabled, so no second copy of the base weights exists. Same interface as `Teacher`."""
+
+    def __init__(self, peft_model: nn.Module):
+        self.peft_model = peft_model
+        self.module = peft_model.get_base_model()
+        self.config = self.module.config
+        self.engine = None
+
+    prepared = True
+
+    def prepare(self, accelerator, device: torch.device) -> None:
+        """Nothing to load or prepare: the student's engine already holds the weights."""
+
+    def lm_head(self) -> LMHead:
+        with self.peft_model.disable_adapter():  # a trained `modules_to_save` lm_head falls back to the original
+            return LMHead.of(self.module)
+
+    @torch.no_grad()
+    def last_hidden_state(self, model_inputs: dict) -> torch.Tensor:
+        was_training = self.module.training
+        self.module.eval()  # the frozen base, without dropout
+        try:
+            with self.peft_model.disable_adapter():
+                return self.module(**model_inputs, fused_distillation=_return_hidden)
+        finally:
+            self.module.train(was_training)
 
 
 def _return_hidden(hidden: torch.Tensor, model: nn.Module) -> torch.Tensor:

@@ -16,7 +16,7 @@ from .data import resolve_assistant_only_loss
 from .deepspeed_config import build_teacher_config
 from .losses import chunked_distillation_loss
 from .modeling import LMHead, add_fused_distillation_forward, gathered, hidden_size
-from .teacher import STUDENT, TEACHER, Teacher
+from .teacher import SELF, STUDENT, TEACHER, SelfTeacher, Teacher
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,13 @@ class DistillationTrainer(SFTTrainer):
         teacher_model = teacher_model if teacher_model is not None else args.teacher_model_name_or_path
         if teacher_model is None:
             raise ValueError("No teacher: pass `teacher_model=` or set `teacher_model_name_or_path` in the config.")
-        self.teacher = Teacher(teacher_model, args.teacher_model_init_kwargs)
+        self._self_distillation = isinstance(teacher_model, str) and teacher_model == SELF
+        if self._self_distillation and peft_config is None and not hasattr(model, "disable_adapter"):
+            raise ValueError(
+                "teacher 'self' (self-distillation) uses the student's base model with its LoRA adapters disabled, so "
+                "it needs a PEFT student: pass `peft_config=` (CLI: --use_peft)."
+            )
+        self.teacher = None if self._self_distillation else Teacher(teacher_model, args.teacher_model_init_kwargs)
         if args.assistant_only_loss is None:
             processing_class = processing_class or _student_tokenizer(model, train_dataset)
             args.assistant_only_loss = resolve_assistant_only_loss(None, train_dataset, processing_class)
@@ -101,7 +107,11 @@ class DistillationTrainer(SFTTrainer):
             )
         student = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         add_fused_distillation_forward(student)
-        if "dtype" not in self.teacher.init_kwargs and "torch_dtype" not in self.teacher.init_kwargs:
+        if self._self_distillation:
+            if not hasattr(self.model, "disable_adapter"):
+                raise ValueError("teacher 'self' needs a PEFT student; the student is not a PeftModel.")
+            self.teacher = SelfTeacher(self.model)
+        elif "dtype" not in self.teacher.init_kwargs and "torch_dtype" not in self.teacher.init_kwargs:
             self.teacher.init_kwargs["dtype"] = student.dtype
         self.vocab_size = self._shared_vocab_size(student.config, self.teacher.config, self.processing_class)
         # Our loss sums over completion tokens and divides by their count over the accumulated, all-rank batch:
@@ -119,6 +129,10 @@ class DistillationTrainer(SFTTrainer):
         """Give the Accelerator two plugins, {"student": the Trainer's, "teacher": ZeRO-3 inference}."""
         accelerator_args = super()._build_accelerator_args(**kwargs)
         student_plugin = accelerator_args.get("deepspeed_plugin")
+        if self._self_distillation:
+            if self.args.teacher_deepspeed is not None:
+                logger.warning("Ignoring `teacher_deepspeed`: a 'self' teacher runs inside the student's engine.")
+            return accelerator_args
         if student_plugin is None:
             if self.args.teacher_deepspeed is not None:
                 raise ValueError(
@@ -233,7 +247,7 @@ class DistillationTrainer(SFTTrainer):
     def _fused_loss(self, student_hidden, student, *, teacher_hidden, target, mask, num_items_in_batch):
         """Runs inside the student's forward: both lm_heads, a chunk of completion rows at a time."""
         args = self.args
-        s_head, t_head = LMHead.of(student), LMHead.of(self.teacher.module)
+        s_head, t_head = LMHead.of(student), self.teacher.lm_head()
         with gathered(s_head.weight, s_head.bias, t_head.weight, t_head.bias):
             return chunked_distillation_loss(
                 student_hidden[:, : target.shape[1]], s_head.weight, teacher_hidden, t_head.weight, mask,

@@ -1,0 +1,54 @@
+"""`trl-distill merge`: fold a LoRA student's adapter into its base model, so it loads and serves without peft.
+
+    trl-distill merge --adapter OUT/checkpoint-500 --output merged/ [--base BASE_DIR_OR_ID] [--dtype bfloat16]
+
+The base model is the one named in the adapter's `adapter_config.json` unless `--base` says otherwise. The
+tokenizer is copied from the adapter directory (the trainer saves it there) or else from the base.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def merge_adapter(adapter: str, output: str, base: str | None = None, dtype: str = "auto") -> str:
+    """Merge the LoRA adapter in `adapter` into its base model and save the result to `output`; returns `output`."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config_path = os.path.join(adapter, "adapter_config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"--adapter: no adapter_config.json in {adapter!r}; pass a LoRA checkpoint directory.")
+    if os.path.isdir(output) and os.listdir(output):
+        raise FileExistsError(f"--output: {output!r} exists and is not empty; choose a new directory.")
+    with open(config_path) as f:
+        base = base or json.load(f).get("base_model_name_or_path")
+    if not base:
+        raise ValueError("The adapter does not name its base model; pass --base.")
+    torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch_dtype)
+    merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    merged.save_pretrained(output)
+    tokenizer_source = adapter if os.path.isfile(os.path.join(adapter, "tokenizer_config.json")) else base
+    AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(output)
+    return output
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="trl-distill merge", description=__doc__.splitlines()[0])
+    parser.add_argument("--adapter", required=True, help="Directory with adapter_config.json and the adapter weights.")
+    parser.add_argument("--output", required=True, help="New directory for the merged model and its tokenizer.")
+    parser.add_argument("--base", default=None, help="Base model path or hub id (default: the adapter's own).")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="dtype to load the base in before merging (default: as saved).")
+    args = parser.parse_args(argv)
+    try:
+        path = merge_adapter(args.adapter, args.output, args.base, args.dtype)
+    except (ValueError, OSError) as error:
+        print(f"trl-distill merge: error: {str(error).strip().splitlines()[0]}", file=sys.stderr)
+        sys.exit(2)
+    print(f"Merged model saved to {path}")
