@@ -113,6 +113,23 @@ def save_tiny_pair(directory: str | os.PathLike, seed: int = 0) -> dict[str, str
     return paths
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and every process below it: torchrun starts each worker in a session of its own, so
+    killing the launcher's process group alone would leave a hung worker running."""
+    import psutil
+
+    try:
+        parent = psutil.Process(pid)
+        family = parent.children(recursive=True) + [parent]
+    except psutil.NoSuchProcess:
+        return
+    for process in family:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 def launch(
     script: str | os.PathLike,
     *script_args: str,
@@ -151,7 +168,7 @@ def launch(
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
+        kill_tree(proc.pid)
         out, _ = proc.communicate()
         raise subprocess.TimeoutExpired(cmd, timeout, output=out) from None
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
