@@ -3,6 +3,7 @@
     trl-distill --model_name_or_path STUDENT --teacher_model_name_or_path TEACHER --dataset_name DATA \
         --output_dir OUT [--config recipe.yaml] [--divergence reverse_kl ...] [--use_peft --lora_r 16 ...]
     trl-distill merge --adapter DIR --output DIR     # a LoRA student's adapter merged into its base model
+    trl-distill plan --student S --teacher T --nodes 2 --gpus_per_node 8 --gpu_memory_gb 80   # memory per GPU
 
 Runs under `accelerate launch --config_file configs/...yaml`, `torchrun` and plain `python -m trl_distill`.
 Every `DistillationConfig` (so `SFTConfig` and `TrainingArguments`) field is a flag, as are TRL's
@@ -12,11 +13,10 @@ Every `DistillationConfig` (so `SFTConfig` and `TrainingArguments`) field is a f
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 
 # `trl-distill NAME ...`: tools beside training, each a module with `main(argv)`
-SUBCOMMANDS = {"merge": "trl_distill.merge"}
+SUBCOMMANDS = {"merge": "trl_distill.merge", "plan": "trl_distill.plan"}
 
 
 def make_parser():
@@ -27,13 +27,9 @@ def make_parser():
     return TrlParser((ScriptArguments, DistillationConfig, ModelConfig), prog="trl-distill")
 
 
-def _looks_local(path: str) -> bool:
-    return os.path.isabs(path) or path.startswith(".") or path.count("/") > 1
-
-
 def validate(script_args, training_args, model_args) -> None:
     """Checks that need no model: fail in seconds, before anything is loaded or written."""
-    from .config import refuse_quantization_without_gpu
+    from .validation import check_model_path, refuse_quantization_without_gpu
 
     if not model_args.model_name_or_path:
         raise ValueError("Pass the student with --model_name_or_path.")
@@ -43,12 +39,9 @@ def validate(script_args, training_args, model_args) -> None:
         raise ValueError("--teacher_model_name_or_path self (self-distillation) needs a LoRA student: add --use_peft.")
     if model_args.load_in_4bit or model_args.load_in_8bit:
         refuse_quantization_without_gpu({"load_in_4bit": True}, "--load_in_4bit/--load_in_8bit")
-    for flag, path in (
-        ("--model_name_or_path", model_args.model_name_or_path),
-        ("--teacher_model_name_or_path", training_args.teacher_model_name_or_path),
-    ):
-        if _looks_local(path) and not os.path.isdir(path):
-            raise FileNotFoundError(f"{flag}: no model directory at {path!r}.")
+    check_model_path(model_args.model_name_or_path, "--model_name_or_path")
+    if training_args.teacher_model_name_or_path != "self":
+        check_model_path(training_args.teacher_model_name_or_path, "--teacher_model_name_or_path")
     if not script_args.dataset_name:
         raise ValueError("Pass a dataset with --dataset_name (a hub id, a .jsonl/.json/.parquet/.csv file or a dir).")
 
@@ -92,7 +85,8 @@ def run(script_args, training_args, model_args) -> None:
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
-    trainer.accelerator.print(f"Distilled student saved to {training_args.output_dir}")
+    if trainer.accelerator.is_main_process:  # global rank 0, the one that wrote it
+        print(f"Distilled student saved to {training_args.output_dir}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,186 @@
+"""`trl-distill plan`: parsing, exact parameter counts, per-GPU arithmetic, recommendations, and a check against
+the bytes a real 2-process run (ZeRO-2 student, ZeRO-3 teacher, DeepSpeed on CPU) holds per rank."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trl_distill import plan
+from trl_distill.testing import build_tiny_model, build_tokenizer, launch
+
+SCRIPTS = Path(__file__).parent / "scripts"
+DOC_CONFIGS = Path(__file__).resolve().parents[1] / "docs" / "planner_configs"
+# A few M parameters each, so per-rank byte counts are not dominated by padding
+DIMS = {
+    "teacher": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4),
+    "student": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Path:
+    """A tokenizer, a teacher and a student saved with `save_pretrained` (the layout plan_worker.py reads)."""
+    directory = tmp_path_factory.mktemp("plan_models")
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(directory / "tokenizer")
+    for seed, (size, dims) in enumerate(DIMS.items()):
+        build_tiny_model(tokenizer, size, seed=seed, **dims).save_pretrained(directory / size)
+    return directory
+
+
+def run_plan(capsys, *argv) -> dict:
+    plan.main([*argv, "--json"])
+    return json.loads(capsys.readouterr().out)
+
+
+def specs(student="1B", teacher="8B", **dims):
+    return plan.load_spec(student, dims), plan.load_spec(teacher, dims)
+
+
+@pytest.mark.parametrize(
+    "text, count",
+    [("8B", 8_000_000_000), ("8b", 8_000_000_000), ("600M", 600_000_000), ("8e9", 8_000_000_000),
+     ("1.5B", 1_500_000_000), ("125k", 125_000), ("70553706496", 70_553_706_496)],
+)
+def test_parse_count(text, count):
+    assert plan.parse_count(text) == count
+
+
+@pytest.mark.parametrize("text", ["docs/planner_configs/qwen3-8b", "config.json", "8X", "B", ""])
+def test_parse_count_rejects_paths_and_junk(text):
+    assert plan.parse_count(text) is None
+
+
+def test_count_with_dims_and_defaults():
+    spec = plan.load_spec("600M", {"hidden": 1024, "layers": 28, "vocab": 151936})
+    assert (spec.params, spec.hidden, spec.layers, spec.vocab) == (600_000_000, 1024, 28, 151936)
+    guessed = plan.load_spec("8B")  # Llama-like shape guessed from the count
+    assert 3500 < guessed.hidden < 5000 and 25 < guessed.layers < 45 and guessed.vocab == 32000
+
+
+def test_config_path_directory_and_file_count_exactly(models):
+    real = sum(p.numel() for p in build_tiny_model(build_tokenizer(), "teacher", **DIMS["teacher"]).parameters())
+    for source in (models / "teacher", models / "teacher" / "config.json"):
+        spec = plan.load_spec(str(source))
+        assert spec.params == real and spec.hidden == 256 and spec.layers == 4 and not spec.tied
+
+
+def test_public_configs_count_exactly():
+    """Published totals of the pairings in docs/planner.md; a tied embedding is counted once."""
+    counts = {"llama-3.1-70b": 70_553_706_496, "llama-3.1-8b": 8_030_261_248, "qwen3-0.6b": 596_049_920}
+    for name, count in counts.items():
+        assert plan.load_spec(str(DOC_CONFIGS / name)).params == count
+    assert plan.load_spec(str(DOC_CONFIGS / "qwen3-0.6b")).tied
+
+
+def test_missing_model_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        plan.main(["--student", "/no/such/model", "--teacher", "8B"])
+    assert exit_info.value.code == 2 and "/no/such/model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("nodes, gpus", [(1, 2), (1, 8), (2, 8), (4, 8)])
+def test_zero3_teacher_bytes_per_gpu_and_replicated_total(capsys, nodes, gpus):
+    out = run_plan(capsys, "--student", "1B", "--teacher", "70B", "--nodes", str(nodes), "--gpus_per_node",
+                   str(gpus), "--dtype", "bf16")
+    configs, total = out["configs"], 70_000_000_000 * 2
+    assert configs["ours"]["rows"]["teacher_params"] == total // (nodes * gpus)
+    assert configs["zero3"]["rows"]["teacher_params"] == total // (nodes * gpus)
+    assert configs["replicated"]["rows"]["teacher_params"] == total
+    assert configs["offload_teacher"]["rows"]["teacher_params"] == 0
+    assert configs["offload_teacher"]["rows"]["gather_buffers"] == configs["ours"]["rows"]["gather_buffers"] > 0
+
+
+def test_zero3_shard_pads_each_tensor():
+    spec = plan.ModelSpec(params=10, hidden=2, layers=1, vocab=2, intermediate=2, heads=1, kv_heads=1, head_dim=2,
+                          numels=(3, 7))
+    assert plan.zero3_shard(spec, 2) == 2 + 4
+
+
+def test_matches_deepspeed_estimators():
+    """In mixed precision the student's params + grads + Adam equal DeepSpeed's ZeRO-2 estimate (ours adds the
+    reduce bucket), and the teacher's shard is the 16-bit term of its ZeRO-3 estimate."""
+    student, teacher = specs()
+    settings = plan.Settings(nodes=2, gpus_per_node=8, dtype="bf16")
+    rows = plan.estimate(student, teacher, settings)
+    ds = plan.deepspeed_estimates(student, teacher, settings, "ours")
+    ours_student = rows["student_params"] + rows["student_grads"] + rows["optimizer"] - student.hidden**2 * 2
+    assert abs(ours_student - ds["student_model_states"]) <= 16
+    assert ds["teacher_model_states"] == rows["teacher_params"] + 4 * teacher.largest_layer
+
+
+def test_chunked_loss_is_smaller_than_full_logits_at_long_sequences():
+    student, teacher = specs(vocab=128256)
+    settings = plan.Settings(micro_batch=4, seq_len=8192)
+    chunked = plan.logits_bytes(student, settings, chunked=True)
+    assert plan.chunk_rows(student, settings) == (1 << 25) // 128256
+    assert chunked < plan.logits_bytes(student, settings, chunked=False) / 4
+
+
+def test_checkpointing_reduces_activations():
+    student, teacher = specs()
+    off = plan.activation_bytes(student, teacher, plan.Settings(seq_len=2048))
+    on = plan.activation_bytes(student, teacher, plan.Settings(seq_len=2048, gradient_checkpointing=True))
+    assert on < off / 4
+
+
+def test_does_not_fit_flagged_and_recommendation_changes(capsys):
+    args = ["--student", str(DOC_CONFIGS / "llama-3.1-8b"), "--teacher", str(DOC_CONFIGS / "llama-3.1-70b"),
+            "--nodes", "2", "--gpus_per_node", "8", "--seq_len", "4096", "--micro_batch", "1"]
+    roomy = run_plan(capsys, *args, "--gpu_memory_gb", "80")
+    assert not roomy["configs"]["replicated"]["fits"]  # 131 GiB of teacher on every GPU
+    assert roomy["recommendation"]["config"] == "ours" and roomy["recommendation"]["settings"] is None
+    tight = run_plan(capsys, *args, "--gpu_memory_gb", "60")
+    assert not tight["configs"]["ours"]["fits"] and tight["recommendation"]["config"] == "zero3"
+    tighter = run_plan(capsys, *args, "--gpu_memory_gb", "40")
+    assert not any(c["fits"] for c in tighter["configs"].values())
+    assert tighter["recommendation"]["settings"] == {"gradient_checkpointing": "on"}
+    plan.main([*args, "--gpu_memory_gb", "40"])
+    table = capsys.readouterr().out
+    assert "NO" in table and "Nothing fits as given" in table and "--gradient_checkpointing on" in table
+
+
+def test_help_lists_every_input(capsys):
+    with pytest.raises(SystemExit):
+        plan.main(["--help"])
+    text = capsys.readouterr().out
+    assert text.startswith("usage: trl-distill plan")
+    for flag in ("--student", "--teacher", "--nodes", "--gpus_per_node", "--gpu_memory_gb", "--dtype", "--micro_batch",
+                 "--seq_len", "--optimizer", "--gradient_checkpointing", "--loss_chunk_size", "--json",
+                 "--student_hidden_size", "--student_layers", "--student_vocab", "--teacher_hidden_size",
+                 "--teacher_intermediate_size", "--teacher_kv_heads", "headroom", "12 bytes"):
+        assert flag in text, flag
+
+
+@pytest.mark.distributed
+def test_estimate_matches_a_real_two_process_run(models, tmp_path, capsys):
+    """Teacher shard, student parameters and ZeRO-2 optimizer state per rank, as planned vs as held (fp32)."""
+    launch(SCRIPTS / "plan_worker.py", str(models), str(tmp_path), timeout=300)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    out = run_plan(capsys, "--student", str(models / "student"), "--teacher", str(models / "teacher"), "--nodes", "1",
+                   "--gpus_per_node", "2", "--dtype", "fp32", "--micro_batch", "2", "--seq_len", "64")
+    rows = out["configs"]["ours"]["rows"]
+    for rec in ranks:
+        assert rec["world_size"] == 2 and rec["optimizer_class"] == "AdamW"
+        assert not rec["fp32_partition_aliases_params"]  # a real fp32 master copy, even without mixed precision
+        optimizer = rec["fp32_partition_bytes"] + rec["moment_bytes"]
+        assert rec["teacher_shard_bytes"] == pytest.approx(rows["teacher_params"], rel=0.10)
+        assert rec["student_param_bytes"] == pytest.approx(rows["student_params"], rel=0.10)
+        assert optimizer == pytest.approx(rows["optimizer"], rel=0.10)
+        assert rec["student_param_bytes"] + optimizer == pytest.approx(
+            rows["student_params"] + rows["optimizer"], rel=0.10
+        )
+        # the planner's replicated teacher is the whole teacher
+        assert rec["teacher_total_bytes"] == out["configs"]["replicated"]["rows"]["teacher_params"]
+
+
+def test_docs_tables_are_current():
+    """docs/planner.md shows the planner's output for the Llama pair; regenerate it when the formulas change."""
+    docs = (DOC_CONFIGS.parent / "planner.md").read_text()
+    student, teacher = (plan.load_spec(str(DOC_CONFIGS / name)) for name in ("llama-3.1-8b", "llama-3.1-70b"))
+    settings = plan.Settings(nodes=2, gpus_per_node=8, gpu_memory_gb=80, micro_batch=1, seq_len=4096)
+    table = plan.format_plan(plan.plan(student, teacher, settings, deepspeed_check=False))
+    for line in table.splitlines():
+        if line.startswith((*plan.ROWS, "total", "Recommendation")):
+            assert line in docs

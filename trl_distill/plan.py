@@ -1,0 +1,422 @@
+"""`trl-distill plan --student S --teacher T --nodes 2 --gpus_per_node 8 --gpu_memory_gb 80 ...`: per-GPU memory
+of a distillation run, estimated for five setups (ours: ZeRO-2 student + ZeRO-3 teacher; TRL's replicated teacher
+with full logits; ZeRO-3 for both; ours with the teacher's parameters or the student's optimizer on CPU), and the
+cheapest one that fits. S and T: a model directory, a config.json or a count (`8B`). See docs/planner.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import asdict, dataclass, fields, replace
+
+from .losses import _AUTO_CHUNK_ELEMENTS
+
+GIB = 1024**3
+HEADROOM = 0.10  # CUDA context, NCCL/allocator buffers, fragmentation
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# Optimizer bytes per trained parameter: an fp32 master copy (DeepSpeed ZeRO keeps one even in fp32) + states.
+OPTIMIZER_BYTES = {"adamw": 12, "sgd": 8}
+FP32_GRAD_BYTES = 4  # ZeRO's fp32 copy of its gradient partition, made for the optimizer step
+DS_MAX_LIVE_PARAMETERS = 10**9  # DeepSpeed's default stage3_max_live_parameters (our configs leave it unset)
+CHUNK_COPIES = 3  # one chunk of student logits, teacher log-probs and d loss / d logits, all fp32
+ROWS = ("teacher_params", "student_params", "student_grads", "optimizer", "gather_buffers", "activations",
+        "logits_loss")
+# The setups compared: name -> (description, options of `estimate`)
+CONFIGS = {
+    "ours": ("ZeRO-2 student + ZeRO-3 teacher, chunked loss", dict(student_stage=2, teacher="zero3")),
+    "replicated": ("ZeRO-2 student + replicated teacher, full logits (TRL)",
+                   dict(student_stage=2, teacher="replicated", chunked=False)),
+    "zero3": ("ZeRO-3 student + ZeRO-3 teacher, chunked loss", dict(student_stage=3, teacher="zero3")),
+    "offload_teacher": ("ours + teacher parameters on CPU", dict(student_stage=2, teacher="offload")),
+    "offload_optimizer": ("ours + student optimizer on CPU", dict(student_stage=2, teacher="zero3", offload_opt=True)),
+}
+# Cheapest first: least communication, then the least PCIe traffic; "replicated" (TRL's) is never recommended.
+PREFERENCE = ("ours", "zero3", "offload_optimizer", "offload_teacher")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the planner needs to know about one model. `numels` (every tensor's size) is known from a config."""
+
+    params: int
+    hidden: int
+    layers: int
+    vocab: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool = False
+    largest_layer: int = 0  # parameters of the largest leaf module: what ZeRO-3 gathers at once
+    numels: tuple[int, ...] = ()
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The hardware and the training shape (the CLI's flags)."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_memory_gb: float = 80.0
+    dtype: str = "bf16"
+    micro_batch: int = 1
+    seq_len: int = 4096
+    optimizer: str = "adamw"
+    gradient_checkpointing: bool = False
+    loss_chunk_size: int | None = None
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def budget(self) -> int:
+        return int(self.gpu_memory_gb * GIB * (1 - HEADROOM))
+
+
+# ---- Models ----
+
+def parse_count(text: str) -> int | None:
+    """`8B`, `600M`, `1.5b`, `8e9`, `125k` -> a parameter count; None when `text` is not a count."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:e[+-]?\d+)?)\s*([kmbt]?)\s*", str(text), flags=re.IGNORECASE)
+    if not match:
+        return None
+    scale = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[match.group(2).lower()]
+    return int(round(float(match.group(1)) * scale))
+
+
+def spec_from_config(path: str) -> ModelSpec:
+    """Count parameters exactly by building the model on the meta device (no weights are read or allocated)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    numels = tuple(p.numel() for p in model.parameters())  # shared (tied) tensors are listed once
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    return ModelSpec(
+        params=sum(numels), hidden=text.hidden_size, layers=text.num_hidden_layers, vocab=text.vocab_size,
+        intermediate=getattr(text, "intermediate_size", None) or 4 * text.hidden_size, heads=heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        tied=bool(getattr(text, "tie_word_embeddings", False)), largest_layer=largest, numels=numels, source=path,
+    )
+
+
+def spec_from_count(count: int, hidden=None, layers=None, vocab=None, intermediate=None, heads=None,
+                    kv_heads=None) -> ModelSpec:
+    """A Llama-shaped model of `count` parameters; missing dims follow hidden/layers ~ 128 and a SwiGLU MLP."""
+    hidden = hidden or max(128, round((count * 128 / 12) ** (1 / 3) / 128) * 128)
+    layers = layers or max(1, round(count / (12 * hidden**2)))
+    vocab = vocab or 32000
+    intermediate = intermediate or math.ceil(8 * hidden / 3 / 256) * 256
+    heads = heads or max(1, hidden // 128)
+    return ModelSpec(
+        params=count, hidden=hidden, layers=layers, vocab=vocab, intermediate=intermediate, heads=heads,
+        kv_heads=kv_heads or heads, head_dim=hidden // heads, largest_layer=max(vocab, intermediate) * hidden,
+        source=f"{count:,} parameters (dims assumed where not given)",
+    )
+
+
+def load_spec(source: str, dims: dict | None = None) -> ModelSpec:
+    """A model directory, a config.json file or a parameter count (then `dims` may give its shape)."""
+    count = parse_count(source)
+    if count is not None:
+        return spec_from_count(count, **(dims or {}))
+    if os.path.isdir(source) and not os.path.isfile(os.path.join(source, "config.json")):
+        raise FileNotFoundError(f"{source!r} is a directory without a config.json.")
+    if not os.path.exists(source):
+        raise FileNotFoundError(f"{source!r} is neither a model directory, a config.json nor a count like 8B.")
+    return spec_from_config(source)
+
+
+# ---- Components, in bytes per GPU ----
+
+def zero3_shard(spec: ModelSpec, gpus: int) -> int:
+    """Elements one rank holds: ZeRO-3 pads every tensor's partition up to ceil(numel / N)."""
+    return sum(-(-n // gpus) for n in spec.numels) if spec.numels else -(-spec.params // gpus)
+
+
+def zero3_gathered(spec: ModelSpec) -> int:
+    """Elements live at once under ZeRO-3: the prefetch bucket (0.9 h^2, as "auto" fills it) beside the largest
+    layer, bounded by stage3_max_live_parameters, plus the parameters small enough to persist (<= 10 h)."""
+    prefetch = int(0.9 * spec.hidden**2)
+    live = min(prefetch + spec.largest_layer, max(DS_MAX_LIVE_PARAMETERS, spec.largest_layer))
+    small = [n for n in spec.numels if n <= 10 * spec.hidden] if spec.numels else [spec.hidden] * (2 * spec.layers + 1)
+    return live + sum(small)
+
+
+def layer_activations(spec: ModelSpec, tokens: int) -> int:
+    """Elements one Llama-style layer keeps for backward (flash/SDPA attention, no [T, T] scores): two norm
+    inputs and outputs (4h), q and attention output (2 h_q), k and v (2 h_kv), gate, up, silu(gate), their
+    product (4i)."""
+    q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    return tokens * (4 * spec.hidden + 2 * q + 2 * kv + 4 * spec.intermediate)
+
+
+def activation_bytes(student: ModelSpec, teacher: ModelSpec, s: Settings) -> int:
+    """Student activations (all layers, or with checkpointing each layer's input plus one recomputed layer), or
+    the frozen teacher's one-layer working set if larger, plus the teacher's last hidden states kept for the loss."""
+    tokens = s.micro_batch * s.seq_len
+    per_layer = layer_activations(student, tokens)
+    if s.gradient_checkpointing:
+        kept = student.layers * tokens * student.hidden + per_layer
+    else:
+        kept = student.layers * per_layer
+    kept += 2 * tokens * student.hidden  # embedding output, final norm output (the loss's input)
+    return (max(kept, layer_activations(teacher, tokens)) + tokens * teacher.hidden) * DTYPE_BYTES[s.dtype]
+
+
+def chunk_rows(student: ModelSpec, s: Settings) -> int:
+    """Rows per loss chunk, as `chunked_distillation_loss` picks them: ~2^25 fp32 logits unless given."""
+    return min(s.loss_chunk_size or max(1, _AUTO_CHUNK_ELEMENTS // student.vocab), s.micro_batch * s.seq_len)
+
+
+def logits_bytes(student: ModelSpec, s: Settings, chunked: bool) -> int:
+    """Chunked: one chunk's fp32 logits/gradient plus the fused loss's fp32 [V, H_s] lm_head gradient sums (KD
+    and CE) and its hidden-state gradients. Full (TRL): [B*T, V] fp32 logits of both models plus their gradient."""
+    tokens = s.micro_batch * s.seq_len
+    if not chunked:
+        return CHUNK_COPIES * tokens * student.vocab * 4
+    head_grads = 2 * student.vocab * student.hidden * 4 + 2 * tokens * student.hidden * DTYPE_BYTES[s.dtype]
+    return CHUNK_COPIES * chunk_rows(student, s) * student.vocab * 4 + head_grads
+
+
+def estimate(student: ModelSpec, teacher_spec: ModelSpec, s: Settings, student_stage: int = 2,
+             teacher: str = "zero3", offload_opt: bool = False, chunked: bool = True) -> dict[str, int]:
+    """Per-GPU bytes of each component for one setup (see `CONFIGS`)."""
+    b, n = DTYPE_BYTES[s.dtype], s.gpus
+    shard = -(-student.params // n)
+    rows = dict.fromkeys(ROWS, 0)
+    held = {"zero3": zero3_shard(teacher_spec, n), "replicated": teacher_spec.params, "offload": 0}[teacher]
+    rows["teacher_params"] = held * b
+    rows["student_params"] = (zero3_shard(student, n) if student_stage == 3 else student.params) * b
+    bucket = student.hidden**2 * b  # reduce_bucket_size "auto" = h^2
+    rows["student_grads"] = bucket + (0 if offload_opt else shard * (b + FP32_GRAD_BYTES))
+    rows["optimizer"] = 0 if offload_opt else shard * OPTIMIZER_BYTES[s.optimizer]
+    gathered = zero3_gathered(teacher_spec) if teacher != "replicated" else 0
+    rows["gather_buffers"] = (gathered + (zero3_gathered(student) if student_stage == 3 else 0)) * b
+    rows["activations"] = activation_bytes(student, teacher_spec, s)
+    rows["logits_loss"] = logits_bytes(student, s, chunked)
+    return rows
+
+
+def deepspeed_estimates(student: ModelSpec, teacher: ModelSpec, s: Settings, name: str) -> dict[str, int]:
+    """DeepSpeed's own model-state estimators (16-bit weights, fp32 Adam) for the student and the teacher.
+
+    The teacher is never trained and DeepSpeed has no inference estimator: its ZeRO-3 estimate is taken with the
+    optimizer "offloaded" (GPU = 16-bit shard + 4 x largest layer), its replicated one from the ZeRO-2 estimator
+    with the optimizer offloaded (GPU = its 16-bit weights)."""
+    with contextlib.redirect_stdout(sys.stderr):  # importing DeepSpeed logs; keep --json output clean
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs as zero3
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs as zero2
+    opts = CONFIGS[name][1]
+    hw = dict(num_gpus_per_node=s.gpus_per_node, num_nodes=s.nodes)
+    if opts.get("student_stage", 2) == 3:
+        student_gpu = zero3(student.params, student.largest_layer, cpu_offload=False, cpu_offload_params=False, **hw)[1]
+    else:
+        student_gpu = zero2(student.params, cpu_offload=opts.get("offload_opt", False), **hw)[1]
+    mode = opts.get("teacher", "zero3")
+    if mode == "replicated":
+        teacher_gpu = zero2(teacher.params, cpu_offload=True, **hw)[1]
+    else:
+        teacher_gpu = zero3(teacher.params, teacher.largest_layer, cpu_offload=True,
+                            cpu_offload_params=mode == "offload", **hw)[1]
+    return {"student_model_states": int(student_gpu), "teacher_model_states": int(teacher_gpu)}
+
+
+# ---- Plan ----
+
+def evaluate(student: ModelSpec, teacher: ModelSpec, s: Settings) -> dict[str, dict]:
+    """Every setup's rows, total and whether it fits the budget."""
+    setups = {}
+    for name, (description, opts) in CONFIGS.items():
+        rows = estimate(student, teacher, s, **opts)
+        total = sum(rows.values())
+        setups[name] = {"description": description, "rows": rows, "total": total, "fits": total <= s.budget}
+    return setups
+
+
+def first_fit(setups: dict[str, dict]) -> str | None:
+    return next((name for name in PREFERENCE if setups[name]["fits"]), None)
+
+
+def recommend(student: ModelSpec, teacher: ModelSpec, s: Settings, setups: dict[str, dict]) -> dict:
+    """The cheapest setup that fits; if none does, the first smaller micro batch / checkpointing that makes one fit."""
+    name = first_fit(setups)
+    if name is not None:
+        return {"config": name, "settings": None, "total": setups[name]["total"]}
+    micro = s.micro_batch
+    while micro >= 1:
+        for checkpointing in dict.fromkeys((s.gradient_checkpointing, True)):
+            trial = replace(s, micro_batch=micro, gradient_checkpointing=checkpointing)
+            if trial == s:
+                continue
+            trial_setups = evaluate(student, teacher, trial)
+            name = first_fit(trial_setups)
+            if name is not None:
+                changed = {"micro_batch": micro} if micro != s.micro_batch else {}
+                changed.update({"gradient_checkpointing": "on"} if checkpointing > s.gradient_checkpointing else {})
+                return {"config": name, "settings": changed, "total": trial_setups[name]["total"]}
+        micro //= 2
+    return {"config": None, "settings": None, "total": None}
+
+
+def plan(student: ModelSpec, teacher: ModelSpec, s: Settings, deepspeed_check: bool = True) -> dict:
+    """Estimates for every setup, DeepSpeed's cross-check and the recommendation, as one JSON-ready dict."""
+    setups = evaluate(student, teacher, s)
+    if deepspeed_check:
+        for name, setup in setups.items():
+            setup["deepspeed"] = deepspeed_estimates(student, teacher, s, name)
+    models = {role: {k: v for k, v in asdict(spec).items() if k != "numels"}
+              for role, spec in (("student", student), ("teacher", teacher))}
+    return {"settings": asdict(s), "gpus": s.gpus, "budget": s.budget, "headroom": HEADROOM, "models": models,
+            "chunk_rows": chunk_rows(student, s), "configs": setups,
+            "recommendation": recommend(student, teacher, s, setups)}
+
+
+# ---- Output ----
+
+def _row(label: str, values, fmt) -> str:
+    return f"{label:<24}" + "".join(f"{fmt(v):>19}" for v in values)
+
+
+def format_plan(result: dict) -> str:
+    """A table: one column per setup, one row per component, in GiB per GPU (MiB for tiny models)."""
+    s, setups = result["settings"], result["configs"]
+    unit, scale = ("MiB", 2**20) if max(x["total"] for x in setups.values()) < GIB else ("GiB", GIB)
+
+    def size(n: int) -> str:
+        return f"{n / scale:.2f}"
+
+    lines = [
+        f"Per-GPU memory ({unit}), {s['nodes']} node(s) x {s['gpus_per_node']} GPUs x {s['gpu_memory_gb']:g} GiB; "
+        f"budget {result['budget'] / GIB:.2f} GiB after {result['headroom']:.0%} headroom",
+        f"{s['dtype']}, micro batch {s['micro_batch']}, seq {s['seq_len']}, {s['optimizer']}, gradient checkpointing "
+        f"{'on' if s['gradient_checkpointing'] else 'off'}, loss chunk {result['chunk_rows']} rows",
+        *(f"{role}: {m['params'] / 1e9:.3f}B params, h={m['hidden']}, L={m['layers']}, V={m['vocab']}, "
+          f"i={m['intermediate']} ({m['source']})" for role, m in result["models"].items()),
+        "",
+        _row("component", setups, str),
+        *(_row(row, [x["rows"][row] for x in setups.values()], size) for row in ROWS),
+        _row("total", [x["total"] for x in setups.values()], size),
+        _row("fits", [x["fits"] for x in setups.values()], lambda fits: "yes" if fits else "NO"),
+    ]
+    if all("deepspeed" in x for x in setups.values()):
+        ds = [sum(x["deepspeed"].values()) for x in setups.values()]
+        lines.append(_row("deepspeed model states", ds, size))
+    lines += ["", *(f"  {name}: {x['description']}" for name, x in setups.items()), ""]
+    return "\n".join(lines + [recommendation_text(result)])
+
+
+def recommendation_text(result: dict) -> str:
+    rec = result["recommendation"]
+    if rec["config"] is None:
+        return "Recommendation: nothing fits, even at micro batch 1 with gradient checkpointing. Add GPUs."
+    text = f"Recommendation: {rec['config']} ({result['configs'][rec['config']]['description']})"
+    total = f"{rec['total'] / GIB:.2f} GiB per GPU"
+    if rec["settings"]:
+        knobs = ", ".join(f"--{k} {v}" for k, v in rec["settings"].items())
+        return f"Nothing fits as given. {text}, {total} with {knobs}."
+    return f"{text}, {total}."
+
+
+# ---- CLI ----
+
+_DIMS = {"hidden_size": "hidden", "layers": "layers", "vocab": "vocab", "intermediate_size": "intermediate",
+         "heads": "heads", "kv_heads": "kv_heads"}
+_EPILOG = f"""\
+assumptions: GiB = 2^30 bytes; a setup fits when its total is <= {1 - HEADROOM:.0%} of --gpu_memory_gb (the rest is
+headroom for the CUDA context, NCCL/allocator buffers and fragmentation). Mixed precision (bf16/fp16) keeps
+16-bit weights and gradients plus ZeRO's fp32 gradient partition and the optimizer's fp32 master copy; adamw =
+12 bytes per trained parameter (fp32 master + 2 fp32 moments), sgd = 8 (master + momentum). Activations assume
+flash/SDPA attention (no [T, T] scores) and a Llama-style layer. ZeRO-3 buffers follow the "auto" values our
+configs get (prefetch bucket 0.9 h^2, persistence 10 h, reduce bucket h^2) and DeepSpeed's default
+stage3_max_live_parameters (1e9). Details: docs/planner.md."""
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error messages
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trl-distill plan", description="Estimate the per-GPU memory of a distillation run, five ways.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add, count, size = parser.add_argument, _positive(int), _positive(float)
+    for role in ("student", "teacher"):
+        add(f"--{role}", required=True, help=f"The {role}: a model directory, a config.json (parameters counted "
+            "exactly on the meta device), or a parameter count such as 8B, 600M or 8e9.")
+    shape = parser.add_argument_group(
+        "model shape", "Only with a parameter count (a config gives them): activations, logits and ZeRO-3 buffers "
+        "need them. Unset: guessed Llama-like from the count (hidden/layers ~ 128, SwiGLU 8h/3, 128-dim heads), "
+        "vocab from the other model, else 32000.")
+    for role in ("student", "teacher"):
+        for flag, name in _DIMS.items():
+            shape.add_argument(f"--{role}_{flag}", type=count, dest=f"{role}_{name}", metavar="N")
+    add("--nodes", type=count, default=1, help="Number of nodes (default: 1).")
+    add("--gpus_per_node", type=count, default=8, help="GPUs per node (default: 8).")
+    add("--gpu_memory_gb", type=size, default=80.0, help="Memory of one GPU, GiB (default: 80).")
+    add("--dtype", choices=sorted(DTYPE_BYTES), default="bf16",
+        help="Weights/activations dtype of both models (default: bf16; fp32 = no mixed precision).")
+    add("--micro_batch", type=count, default=1, help="Sequences per GPU per step (default: 1).")
+    add("--seq_len", type=count, default=4096, help="Tokens per sequence (default: 4096).")
+    add("--optimizer", choices=sorted(OPTIMIZER_BYTES), default="adamw",
+        help="The student's optimizer: adamw = 12 bytes/param (fp32 master + 2 moments), sgd = 8.")
+    add("--gradient_checkpointing", choices=("on", "off"), default="off",
+        help="Student activation checkpointing (default: off).")
+    add("--loss_chunk_size", type=count, default=None, metavar="N", help="Completion tokens per loss chunk "
+        "(default: as the trainer picks it, so one chunk of fp32 logits is ~128 MiB).")
+    add("--json", action="store_true", help="Print the plan as JSON (sizes in bytes) instead of a table.")
+    return parser
+
+
+def _specs(args) -> tuple[ModelSpec, ModelSpec]:
+    """Load both models; a count-only model without --*_vocab borrows the other model's vocabulary."""
+    dims = {role: {n: getattr(args, f"{role}_{n}") for n in _DIMS.values() if getattr(args, f"{role}_{n}")}
+            for role in ("student", "teacher")}
+    counted = {role: parse_count(getattr(args, role)) is not None for role in dims}
+    order = ("teacher", "student") if counted["student"] else ("student", "teacher")
+    specs = {}
+    for role in order:
+        other = specs.get("student" if role == "teacher" else "teacher")
+        if counted[role] and other is not None and "vocab" not in dims[role]:
+            dims[role]["vocab"] = other.vocab
+        specs[role] = load_spec(getattr(args, role), dims[role])
+    return specs["student"], specs["teacher"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`trl-distill plan ARGS...`."""
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    try:
+        student, teacher = _specs(args)
+    except (ValueError, FileNotFoundError, OSError) as error:
+        parser.error(str(error))
+    values = {f.name: getattr(args, f.name) for f in fields(Settings)}
+    settings = Settings(**{**values, "gradient_checkpointing": args.gradient_checkpointing == "on"})
+    result = plan(student, teacher, settings)
+    print(json.dumps(result, indent=2) if args.json else format_plan(result))
+
+
+if __name__ == "__main__":
+    main()
