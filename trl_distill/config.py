@@ -9,6 +9,7 @@ from trl import SFTConfig
 
 from .distributed import prepare_cpu_distributed_state
 from .losses import LOSS_TYPES
+from .validation import refuse_quantization_without_gpu
 
 
 @dataclass
@@ -126,18 +127,3 @@ class DistillationConfig(SFTConfig):
         prepare_cpu_distributed_state(self)
         super().__post_init__()
 
-
-def refuse_quantization_without_gpu(init_kwargs: dict | str | None, where: str) -> None:
-    """QLoRA (bitsandbytes 4-/8-bit weights) needs a CUDA GPU: say so up front instead of failing deep in loading."""
-    import torch
-
-    quantized = isinstance(init_kwargs, dict) and (
-        init_kwargs.get("quantization_config") is not None
-        or init_kwargs.get("load_in_4bit") or init_kwargs.get("load_in_8bit")
-    )
-    if quantized and not torch.cuda.is_available():
-        raise ValueError(
-            f"{where} asks for quantized (QLoRA / bitsandbytes) weights, which need a CUDA GPU, and none is visible. "
-            "Drop the quantization (--load_in_4bit / --load_in_8bit / quantization_config) to train in full "
-            "precision on this machine."
-        )

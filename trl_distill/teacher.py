@@ -19,6 +19,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from .modeling import LMHead, add_fused_distillation_forward
+from .validation import check_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ class Teacher:
                 f"teacher_model must be a transformers PreTrainedModel or a path / hub id, got "
                 f"{type(source).__name__}. (A PEFT model as teacher: merge it first with `merge_and_unload()`.)"
             )
+        if isinstance(source, str):
+            check_model_path(source, "teacher_model")
         self.source = source
         self.init_kwargs = dict(init_kwargs or {})
         self.module: nn.Module | None = None  # the unwrapped model

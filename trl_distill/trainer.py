@@ -3,20 +3,25 @@ a student trained with any ZeRO stage (or without DeepSpeed)."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from functools import partial
 
 import torch
 from accelerate.utils import DeepSpeedPlugin
 from transformers import PreTrainedModel, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import SFTConfig, SFTTrainer
 
+from .checkpoints import mark_complete, resolve_resume
 from .config import DistillationConfig
 from .data import resolve_assistant_only_loss
 from .deepspeed_config import build_teacher_config
 from .losses import chunked_distillation_loss
 from .modeling import LMHead, add_fused_distillation_forward, gathered, hidden_size
 from .teacher import SELF, STUDENT, TEACHER, SelfTeacher, Teacher
+from .validation import check_dataset_not_empty, check_teacher_finite, check_tokenizers_match
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +80,7 @@ class DistillationTrainer(SFTTrainer):
         teacher_model = teacher_model if teacher_model is not None else args.teacher_model_name_or_path
         if teacher_model is None:
             raise ValueError("No teacher: pass `teacher_model=` or set `teacher_model_name_or_path` in the config.")
+        check_dataset_not_empty(train_dataset, "train", "given")
         self._self_distillation = isinstance(teacher_model, str) and teacher_model == SELF
         if self._self_distillation and peft_config is None and not hasattr(model, "disable_adapter"):
             raise ValueError(
@@ -85,6 +91,7 @@ class DistillationTrainer(SFTTrainer):
         if args.assistant_only_loss is None:
             processing_class = processing_class or _student_tokenizer(model, train_dataset)
             args.assistant_only_loss = resolve_assistant_only_loss(None, train_dataset, processing_class)
+        output_dir_existed = os.path.exists(args.output_dir)
         super().__init__(
             model,
             args=args,
@@ -114,6 +121,17 @@ class DistillationTrainer(SFTTrainer):
         elif "dtype" not in self.teacher.init_kwargs and "torch_dtype" not in self.teacher.init_kwargs:
             self.teacher.init_kwargs["dtype"] = student.dtype
         self.vocab_size = self._shared_vocab_size(student.config, self.teacher.config, self.processing_class)
+        if not self._self_distillation:
+            check_tokenizers_match(self.processing_class, self.teacher.source)
+        try:
+            check_dataset_not_empty(self.train_dataset, "train", "prepared", args.max_length)
+            evaluation = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
+            for name, dataset in evaluation.items():
+                check_dataset_not_empty(dataset, name, "prepared", args.max_length)
+        except ValueError:
+            if not output_dir_existed and os.path.isdir(args.output_dir) and not os.listdir(args.output_dir):
+                os.rmdir(args.output_dir)  # the Trainer created it empty; leave nothing behind
+            raise
         # Our loss sums over completion tokens and divides by their count over the accumulated, all-rank batch:
         # ask the Trainer for that count (`num_items_in_batch`), taken over the shifted labels. Both attributes
         # are the Trainer's own (`_loss_shifts_labels` is private; checked against transformers 5.24).
@@ -148,12 +166,31 @@ class DistillationTrainer(SFTTrainer):
         accelerator_args["deepspeed_plugin"] = {STUDENT: student_plugin, TEACHER: teacher_plugin}
         return accelerator_args
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """`Trainer.train`, resuming only from complete checkpoints (see `trl_distill.checkpoints`)."""
         if self.is_deepspeed_enabled and self.model_wrapped is not self.model:
             # An engine from evaluate() or an earlier train(): the Trainer's free_memory() is about to destroy it,
             # and the stock Trainer would then skip preparing the student (no engine for `backward`).
             self.model_wrapped, self.deepspeed = self.model, None
-        return super().train(*args, **kwargs)
+        resume_from_checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        self.accelerator.wait_for_everyone()  # every rank's optimizer shard and RNG state is on disk
+        if self.args.should_save:
+            name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            mark_complete(os.path.join(self._get_output_dir(trial), name))
+
+    def _print_engine_configs(self) -> None:
+        """Rank 0 prints the effective DeepSpeed config of both engines, once, as training starts."""
+        plugins = getattr(self.accelerator.state, "deepspeed_plugins", None)
+        if not isinstance(plugins, dict) or getattr(self, "_engine_configs_printed", False):
+            return
+        self._engine_configs_printed = True
+        if self.accelerator.is_main_process:  # global rank 0 (accelerator.print prints once per node)
+            for name, plugin in plugins.items():
+                print(f"trl_distill: {name} DeepSpeed config: {json.dumps(plugin.deepspeed_config)}", flush=True)
 
     def _prepare_teacher(self) -> None:
         self.teacher.prepare(self.accelerator, self.args.device)
@@ -224,6 +261,7 @@ class DistillationTrainer(SFTTrainer):
         mask = target != -100
         # Every rank runs every teacher forward, even with no loss token: ZeRO-3 gathers are collective.
         teacher_hidden = self.teacher.last_hidden_state(model_inputs)[:, trim]
+        check_teacher_finite(teacher_hidden, self.accelerator, self.state.global_step + 1)
         loss_fn = partial(
             self._fused_loss, teacher_hidden=teacher_hidden, target=target, mask=mask,
             num_items_in_batch=num_items_in_batch,
@@ -326,5 +364,6 @@ class _LogStepSync(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._print_engine_configs()
         self.trainer._distill_last_logged_step = state.global_step
         self.trainer._distill_sums = {name: 0.0 for name in self.trainer._distill_sums}

@@ -1,0 +1,84 @@
+"""Checks that run before any heavy work (on every rank), so bad input fails in seconds with one clear message."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def looks_local(path: str) -> bool:
+    """Whether `path` means a local directory rather than a hub id (``org/name``)."""
+    return os.path.isabs(path) or path.startswith(".") or path.count("/") > 1 or os.path.isdir(path)
+
+
+def check_model_path(path: str, what: str) -> None:
+    """A local-looking model path must be a directory (a hub id is left to `from_pretrained`)."""
+    if looks_local(path) and not os.path.isdir(path):
+        raise FileNotFoundError(f"{what}: no model directory at {path!r}.")
+
+
+def refuse_quantization_without_gpu(init_kwargs: dict | str | None, where: str) -> None:
+    """QLoRA (bitsandbytes 4-/8-bit weights) needs a CUDA GPU: say so up front instead of failing deep in loading."""
+    quantized = isinstance(init_kwargs, dict) and (
+        init_kwargs.get("quantization_config") is not None
+        or init_kwargs.get("load_in_4bit") or init_kwargs.get("load_in_8bit")
+    )
+    if quantized and not torch.cuda.is_available():
+        raise ValueError(
+            f"{where} asks for quantized (QLoRA / bitsandbytes) weights, which need a CUDA GPU, and none is visible. "
+            "Drop the quantization (--load_in_4bit / --load_in_8bit / quantization_config) to train in full "
+            "precision on this machine."
+        )
+
+
+def check_tokenizers_match(student_tokenizer, teacher_source) -> None:
+    """When the teacher ships its own tokenizer, it must map tokens to the same ids as the student's: the
+    divergence compares distributions id by id. Skipped when the teacher has no loadable tokenizer."""
+    student_tokenizer = getattr(student_tokenizer, "tokenizer", student_tokenizer)
+    if student_tokenizer is None or not isinstance(teacher_source, str) or not hasattr(student_tokenizer, "get_vocab"):
+        return
+    from transformers import AutoTokenizer
+
+    try:
+        teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_source)
+    except (OSError, ValueError):
+        return  # no tokenizer saved with the teacher (or offline): nothing to compare
+    mine, theirs = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
+    if mine == theirs:
+        return
+    differing = sorted(t for t in set(mine) | set(theirs) if mine.get(t) != theirs.get(t))
+    raise ValueError(
+        f"Student and teacher tokenizers differ: {len(mine)} vs {len(theirs)} tokens, {len(differing)} mapped "
+        f"differently (e.g. {differing[:3]}). Distillation compares next-token distributions id by id, so both models "
+        "must use one tokenizer."
+    )
+
+
+def check_dataset_not_empty(dataset, split: str, when: str, max_length: int | None = None) -> None:
+    """An empty split would make the Trainer fail later with an unrelated error (or train on nothing)."""
+    if dataset is None or not hasattr(dataset, "__len__") or len(dataset) > 0:
+        return
+    if when == "given":
+        raise ValueError(f"The {split} dataset is empty.")
+    raise ValueError(
+        f"The {split} dataset is empty after preprocessing: every example was dropped because no completion or "
+        f"assistant token survived truncation to max_length={max_length}. Raise `max_length`, shorten the prompts, "
+        "or check that the completions are not empty."
+    )
+
+
+def check_teacher_finite(teacher_hidden: torch.Tensor, accelerator, step: int) -> None:
+    """Stop every rank together, with one message, when the teacher's hidden states hold NaN or inf on any rank
+    (one scalar all-reduce per micro-batch; a lone failing rank would leave the others waiting in a collective)."""
+    bad = (~torch.isfinite(teacher_hidden)).any().to(torch.float32).reshape(1)
+    if accelerator.num_processes > 1:
+        bad = accelerator.reduce(bad, reduction="sum")
+    if bad.item() > 0:
+        raise FloatingPointError(
+            f"The teacher produced NaN or inf at step {step} (on {int(bad.item())} rank(s)). Check its dtype (fp16 "
+            "overflows: use bf16 or fp32 via `teacher_model_init_kwargs={'dtype': ...}`) and its weights."
+        )
