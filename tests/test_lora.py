@@ -186,9 +186,16 @@ def _cli_args(tiny_pair, tmp_path, teacher):
             "--dataset_name", str(data), "--output_dir", str(tmp_path / "out"), *FAST]
 
 
-def test_cli_trains_a_lora_student_and_saves_the_adapter(tiny_pair, tmp_path):
+@pytest.mark.distributed
+def test_cli_trains_a_lora_student_beside_a_zero3_teacher_on_two_processes(tiny_pair, tmp_path):
     args = _cli_args(tiny_pair, tmp_path, tiny_pair["teacher"])
-    cli_main(args + ["--use_peft", "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj"])
+    args.remove("--use_cpu")
+    configs = Path(__file__).parent.parent / "configs" / "deepspeed"
+    result = launch("trl_distill", *args, "--use_peft", "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj",
+                    "--deepspeed", str(configs / "zero2_student.json"),
+                    "--teacher_deepspeed", str(configs / "zero3_teacher.json"), launcher_args=("-m",))
+    teacher_line = next(line for line in result.stdout.splitlines() if "teacher DeepSpeed config" in line)
+    assert '"stage": 3' in teacher_line and result.stdout.count("'kd_loss'") == 2
     files = {p.name for p in (tmp_path / "out").iterdir()}
     assert "adapter_model.safetensors" in files and "model.safetensors" not in files
 

@@ -175,3 +175,21 @@ def test_saved_students_are_safetensors(tiny_pair, tmp_path):
         AutoModelForCausalLM.from_pretrained(tmp_path / "out", use_safetensors=True).lm_head.weight,
         trainer.model.lm_head.weight,
     )
+
+
+def test_student_deepspeed_config_without_micro_batch_is_filled(tmp_path):
+    """DeepSpeed itself would stop with "Either train_batch_size or train_micro_batch_size_per_gpu needs to be
+    provided"; the config fills both from the arguments (in a subprocess: it sets up a process group)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 2},}')  # trailing comma too
+    script = (
+        "from trl_distill import DistillationConfig\n"
+        f"c = DistillationConfig(output_dir={str(tmp_path / 'o')!r}, deepspeed={str(tmp_path / 'ds.json')!r}, "
+        "per_device_train_batch_size=3, gradient_accumulation_steps=2, bf16=False, report_to='none')\n"
+        "d = c.hf_deepspeed_config.config\n"
+        "print(d['train_micro_batch_size_per_gpu'], d['gradient_accumulation_steps'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split()[-2:] == ["3", "2"], out.stderr[-2000:]

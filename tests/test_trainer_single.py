@@ -89,14 +89,18 @@ def test_missing_teacher_is_a_clear_error(tiny_pair, tmp_path):
         )
 
 
-def test_args_must_be_a_distillation_config(tiny_pair, tmp_path):
+def test_sft_config_is_converted_and_other_args_refused(tiny_pair, tmp_path):
     from trl import SFTConfig
 
-    with pytest.raises(TypeError, match="DistillationConfig"):
-        DistillationTrainer(
-            tiny_pair["student"], tiny_pair["teacher"], args=SFTConfig(output_dir=str(tmp_path), use_cpu=True),
-            train_dataset=synthetic_prompt_completion(8),
-        )
+    sft = SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, learning_rate=7e-4, eos_token="</s>")
+    trainer = DistillationTrainer(tiny_pair["student"], tiny_pair["teacher"], args=sft,
+                                  train_dataset=synthetic_prompt_completion(8))
+    assert isinstance(trainer.args, DistillationConfig)
+    assert (trainer.args.learning_rate, trainer.args.eos_token) == (7e-4, "</s>")  # to_dict masks *_token fields
+    assert trainer.args.dataset_kwargs is None  # an SFT script's data is prepared by SFT, as before
+    with pytest.raises(TypeError, match="DistillationConfig or TrainingArguments"):
+        DistillationTrainer(tiny_pair["student"], tiny_pair["teacher"], args={"output_dir": str(tmp_path)},
+                            train_dataset=synthetic_prompt_completion(8))
 
 
 def test_teacher_deepspeed_without_student_deepspeed(tiny_pair, tmp_path):

@@ -7,6 +7,7 @@ from typing import Any
 
 from trl import SFTConfig
 
+from .deepspeed_config import load_deepspeed_config
 from .distributed import prepare_cpu_distributed_state
 from .losses import LOSS_TYPES
 from .validation import refuse_quantization_without_gpu
@@ -124,6 +125,20 @@ class DistillationConfig(SFTConfig):
             )
         for name in ("model_init_kwargs", "teacher_model_init_kwargs"):
             refuse_quantization_without_gpu(getattr(self, name), name)
+        self.deepspeed = _lenient_deepspeed(self.deepspeed)
         prepare_cpu_distributed_state(self)
         super().__post_init__()
 
+
+def _lenient_deepspeed(config):
+    """The student's DeepSpeed config as a dict, read leniently: trailing commas (as in the examples of accelerate's
+    multi-model guide) are accepted and other syntax errors name the line. A config without
+    `train_micro_batch_size_per_gpu` / `gradient_accumulation_steps` gets them as ``"auto"`` (filled from these
+    arguments) instead of failing deep inside DeepSpeed."""
+    if config is None:
+        return None
+    config = load_deepspeed_config(config)
+    if "train_batch_size" not in config:
+        config.setdefault("train_micro_batch_size_per_gpu", "auto")
+        config.setdefault("gradient_accumulation_steps", "auto")
+    return config

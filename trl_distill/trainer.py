@@ -351,7 +351,9 @@ def _as_distillation_config(args) -> DistillationConfig:
     if not isinstance(args, TrainingArguments):
         raise TypeError(f"args must be a DistillationConfig or TrainingArguments, got {type(args).__name__}.")
     values = args.to_dict()
-    values["hub_token"] = args.hub_token  # to_dict hides it
+    for key in values:
+        if key.endswith("_token"):  # to_dict masks these (hub_token, and SFT's eos_token / pad_token)
+            values[key] = getattr(args, key)
     if not isinstance(args, SFTConfig):
         values["dataset_kwargs"] = {"skip_prepare_dataset": True}
     return DistillationConfig(**values)
