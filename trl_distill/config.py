@@ -92,6 +92,25 @@ class DistillationConfig(SFTConfig):
         default=True,
         metadata={"help": "Multiply the KD term by temperature**2 (Hinton et al.), keeping its gradient scale."},
     )
+    lmbda: float = field(
+        default=0.0,
+        metadata={
+            "help": "On-policy fraction (GKD): per optimizer step, with this probability the batch's completions are "
+            "sampled from the student for the same prompts. The draw is seeded by (seed, step): equal on every rank "
+            "and on resume. 0 is off-policy distillation on the dataset's completions."
+        },
+    )
+    seq_kd: bool = field(
+        default=False,
+        metadata={"help": "Sequence-level KD: on the steps not drawn on-policy, completions are sampled from the "
+                  "teacher instead of taken from the dataset."},
+    )
+    max_new_tokens: int = field(default=128, metadata={"help": "Tokens sampled per completion (lmbda > 0 or seq_kd)."})
+    generation_temperature: float = field(
+        default=1.0, metadata={"help": "Sampling temperature of generated completions (not the loss temperature)."}
+    )
+    generation_top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling of generated completions."})
+    generation_top_k: int = field(default=0, metadata={"help": "Top-k sampling of generated completions (0: off)."})
     assistant_only_loss: bool | None = field(
         default=None,
         metadata={
@@ -112,7 +131,12 @@ class DistillationConfig(SFTConfig):
             raise ValueError(f"Unknown divergence {self.divergence!r}; choose one of {', '.join(LOSS_TYPES)}.")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}.")
-        for name in ("alpha", "beta", "skew_alpha"):
+        if self.max_new_tokens < 1 or not self.generation_temperature > 0 or not 0 < self.generation_top_p <= 1:
+            raise ValueError(
+                "Generation settings: max_new_tokens must be >= 1, generation_temperature > 0, generation_top_p in "
+                f"(0, 1]; got {self.max_new_tokens}, {self.generation_temperature}, {self.generation_top_p}."
+            )
+        for name in ("alpha", "beta", "skew_alpha", "lmbda"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value}.")

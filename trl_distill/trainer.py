@@ -3,6 +3,7 @@ a student trained with any ZeRO stage (or without DeepSpeed)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -20,6 +21,8 @@ from .data import resolve_assistant_only_loss
 from .deepspeed_config import build_teacher_config
 from .losses import chunked_distillation_loss
 from .modeling import LMHead, add_fused_distillation_forward, gathered, hidden_size
+from .on_policy import DATASET, completion_source, sample_completions
+from .on_policy import STUDENT as STUDENT_SOURCE
 from .teacher import SELF, STUDENT, TEACHER, SelfTeacher, Teacher
 from .validation import check_dataset_not_empty, check_teacher_finite, check_tokenizers_match
 
@@ -138,6 +141,8 @@ class DistillationTrainer(SFTTrainer):
         self.model_accepts_loss_kwargs = True
         self._loss_shifts_labels = True
         self._distill_sums = {"kd_loss": 0.0, "ce_loss": 0.0}
+        self._generation_stats = dict.fromkeys(("micro_steps", "on_policy", "rows", "tokens"), 0)
+        self.last_completions = None
         self._distill_last_logged_step = 0
         self.add_callback(_LogStepSync(self))
 
@@ -162,6 +167,15 @@ class DistillationTrainer(SFTTrainer):
             self.args.teacher_deepspeed, student_plugin.deepspeed_config, self.args, hidden_size(self.teacher.config)
         )
         stage = config["zero_optimization"].get("stage", 0)
+        if self.args.seq_kd and stage == 3:
+            # Sampling runs the teacher's own lm_head, which our loss gathers itself; DeepSpeed's prefetcher would
+            # then have it in flight when the loss gathers it (deepspeed 0.19.8). Fetch on demand instead.
+            config["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
+        if self.args.lmbda > 0 and student_plugin.zero_stage == 3:
+            raise ValueError(
+                "On-policy distillation (lmbda > 0) with a ZeRO-3 student is not supported yet: sample from a ZeRO-2 "
+                "(or ZeRO-0/1) student, or set lmbda=0."
+            )
         teacher_plugin = DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=stage == 3)
         accelerator_args["deepspeed_plugin"] = {STUDENT: student_plugin, TEACHER: teacher_plugin}
         return accelerator_args
@@ -244,6 +258,41 @@ class DistillationTrainer(SFTTrainer):
                 "which rows they share. Pass `processing_class=` (the tokenizer both models use)."
             )
         return shared
+
+    # ---- On-policy / sequence-level KD: completions sampled by the student or the teacher ----
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        args = self.args
+        source = completion_source(args.lmbda, args.seq_kd, args.seed, self.state.global_step)
+        self._generation_stats["micro_steps"] += 1
+        if source != DATASET:
+            inputs, completions = self._sample_completions(source, self._prepare_inputs(inputs))
+            self.last_completions = (source, completions)
+            self._generation_stats["on_policy"] += source == STUDENT_SOURCE
+            self._generation_stats["rows"] += len(completions)
+            self._generation_stats["tokens"] += sum(len(c) for c in completions)
+            num_items_in_batch = None  # generated lengths differ from the dataset's: a per-micro-batch token mean
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def _sample_completions(self, source: str, batch: dict) -> tuple[dict, list[torch.Tensor]]:
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        eos_ids = {tokenizer.eos_token_id}
+        kwargs = dict(max_new_tokens=self.args.max_new_tokens, do_sample=True,
+                      temperature=self.args.generation_temperature, top_p=self.args.generation_top_p,
+                      top_k=self.args.generation_top_k, eos_token_id=sorted(eos_ids))
+        several = self.accelerator.num_processes > 1
+        if source == STUDENT_SOURCE:
+            model, context = self.accelerator.unwrap_model(self.model_wrapped), contextlib.nullcontext
+            student_plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
+            synced = several and student_plugin is not None and student_plugin.zero_stage == 3
+        elif isinstance(self.teacher, SelfTeacher):
+            model, context, synced = self.teacher.peft_model, self.teacher.peft_model.disable_adapter, False
+        else:  # a partitioned teacher: every rank steps until all ranks are done
+            model, context, synced = self.teacher.module, contextlib.nullcontext, several and self.teacher.engine \
+                is not self.teacher.module
+        new_batch, completions = sample_completions(model, batch, kwargs, tokenizer.pad_token_id, eos_ids,
+                                                    synced, context)
+        return {k: v.to(batch["input_ids"].device) for k, v in new_batch.items()}, completions
 
     # ---- Loss ----
 
@@ -329,6 +378,12 @@ class DistillationTrainer(SFTTrainer):
                 logs[name] = self.accelerator.gather(total.reshape(1)).mean().item() / steps
                 self._distill_sums[name] = 0.0
             self._distill_last_logged_step = self.state.global_step
+            if self.args.lmbda > 0 or self.args.seq_kd:
+                stats = torch.tensor([float(v) for v in self._generation_stats.values()], device=self.args.device)
+                micro_steps, on_policy, rows, tokens = self.accelerator.reduce(stats, reduction="sum").tolist()
+                logs["on_policy_fraction"] = on_policy / max(micro_steps, 1)
+                logs["generated_length"] = tokens / max(rows, 1)
+                self._generation_stats = dict.fromkeys(self._generation_stats, 0)
         super().log(logs, start_time)
 
 
