@@ -436,3 +436,42 @@ def test_vocab_size_too_large():
     d = _setup()
     with pytest.raises(ValueError, match=rf"vocab_size={V_T}.*student vocab {V_S}.*teacher vocab {V_T}"):
         chunked_divergence(d["hs"], d["ws"], d["ht"], d["wt"], vocab_size=V_T)
+
+
+@pytest.mark.parametrize("loss_type", ["forward_kl", "jsd"])
+def test_a_term_without_gradient_is_logged_but_adds_no_gradient(loss_type):
+    """alpha = 1 (ce_grad=False) or 0 (kd_grad=False): the term's value is unchanged, its gradient is left out."""
+    d = _setup()
+    both = _chunked(d, loss_type, chunk_size=3)
+    kd_only, ce_only = _chunked(d, loss_type, chunk_size=3, ce_grad=False), _chunked(d, loss_type, chunk_size=3,
+                                                                                      kd_grad=False)
+    for out in (kd_only, ce_only):
+        torch.testing.assert_close(out.kd, both.kd, rtol=0, atol=0)
+        torch.testing.assert_close(out.ce, both.ce, rtol=0, atol=0)
+    for weights, out in (((1.0, 0.0), kd_only), ((0.0, 1.0), ce_only)):
+        expected = torch.autograd.grad(weights[0] * both.kd + weights[1] * both.ce, [d["hs"], d["ws"], d["bs"]],
+                                       retain_graph=True)
+        got = _grads(weights[0] * out.kd + weights[1] * out.ce, d)
+        for x, y in zip(got, expected):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_ce_without_gradient_allocates_fewer_weight_sized_tensors():
+    d = _setup()
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.n += sum(isinstance(o, torch.Tensor) and tuple(o.shape) == tuple(d["ws"].shape)
+                          for o in (out if isinstance(out, (tuple, list)) else (out,)))
+            return out
+
+    with Count() as both:
+        _chunked(d, "jsd", chunk_size=3)
+    with Count() as kd_only:
+        _chunked(d, "jsd", chunk_size=3, ce_grad=False)
+    assert kd_only.n < both.n  # no CE weight-gradient buffer (nor its per-chunk updates)

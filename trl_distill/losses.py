@@ -250,19 +250,22 @@ class _ChunkedDistillation(torch.autograd.Function):
         # needs_input_grad ignores the caller's grad mode; under torch.no_grad() (eval) skip all grad work.
         need_h, need_w, need_b = (cfg["grad_enabled"] and x for x in ctx.needs_input_grad[:3])
         need_b = need_b and s_bias is not None
-        want_grad = need_h or need_w or need_b
         has_ce = labels is not None
+        # A term whose weight is 0 (alpha = 1 or 0) is still computed for logging, but gets no gradient buffers.
+        kd_grad, ce_grad = cfg["kd_grad"], cfg["ce_grad"] and has_ce
+        want_grad = (need_h or need_w or need_b) and (kd_grad or ce_grad)
         w_dtype = s_weight.dtype
-        closed_form = want_grad and cfg["loss_type"] == "forward_kl"  # d kd / d logits in closed form
+        closed_form = want_grad and kd_grad and cfg["loss_type"] == "forward_kl"  # d kd / d logits in closed form
         g_cols = s_weight.shape[0]
 
         # Per-row grads are written once (rows never repeat); weight/bias grads are accumulated in >= fp32.
-        gh_kd = torch.empty_like(h_s) if need_h else None
-        gh_ce = torch.empty_like(h_s) if need_h and has_ce else None
-        gw_kd = s_weight.new_zeros(s_weight.shape, dtype=compute) if need_w else None
-        gw_ce = s_weight.new_zeros(s_weight.shape, dtype=compute) if need_w and has_ce else None
-        gb_kd = s_bias.new_zeros(s_bias.shape, dtype=compute) if need_b else None
-        gb_ce = s_bias.new_zeros(s_bias.shape, dtype=compute) if need_b and has_ce else None
+        need_h, need_w, need_b = (want_grad and x for x in (need_h, need_w, need_b))
+        gh_kd = torch.empty_like(h_s) if need_h and kd_grad else None
+        gh_ce = torch.empty_like(h_s) if need_h and ce_grad else None
+        gw_kd = s_weight.new_zeros(s_weight.shape, dtype=compute) if need_w and kd_grad else None
+        gw_ce = s_weight.new_zeros(s_weight.shape, dtype=compute) if need_w and ce_grad else None
+        gb_kd = s_bias.new_zeros(s_bias.shape, dtype=compute) if need_b and kd_grad else None
+        gb_ce = s_bias.new_zeros(s_bias.shape, dtype=compute) if need_b and ce_grad else None
         kd_sum = h_s.new_zeros((), dtype=compute)
         ce_sum = h_s.new_zeros((), dtype=compute)
 
@@ -282,18 +285,21 @@ class _ChunkedDistillation(torch.autograd.Function):
                         kd, g = _forward_kl_closed_form(logits[:, :vocab], t_logp, temperature)
                         g = g if vocab == g_cols else F.pad(g, (0, g_cols - vocab))  # padded columns: 0
                     if logits is not raw:  # chain through scale/softcap
-                        (g,) = torch.autograd.grad(logits, raw, g, retain_graph=has_ce)
+                        (g,) = torch.autograd.grad(logits, raw, g, retain_graph=ce_grad)
                     outputs = []
                 else:
-                    s_logp = F.log_softmax(_div(logits[:, :vocab], temperature), dim=-1)
-                    kd = per_token_divergence(
-                        s_logp, t_logp, cfg["loss_type"], beta=cfg["beta"], skew_alpha=cfg["skew_alpha"]
-                    ).sum()
-                    outputs = [(kd, gh_kd, gw_kd, gb_kd)]
+                    with torch.set_grad_enabled(want_grad and kd_grad):
+                        s_logp = F.log_softmax(_div(logits[:, :vocab], temperature), dim=-1)
+                        kd = per_token_divergence(
+                            s_logp, t_logp, cfg["loss_type"], beta=cfg["beta"], skew_alpha=cfg["skew_alpha"]
+                        ).sum()
+                    outputs = [(kd, gh_kd, gw_kd, gb_kd)] if want_grad and kd_grad else []
                 del t_logp
                 if has_ce:
-                    ce = F.cross_entropy(logits, labels[start : start + hs.shape[0]], reduction="sum")
-                    outputs.append((ce, gh_ce, gw_ce, gb_ce))
+                    with torch.set_grad_enabled(want_grad and ce_grad):
+                        ce = F.cross_entropy(logits, labels[start : start + hs.shape[0]], reduction="sum")
+                    if want_grad and ce_grad:
+                        outputs.append((ce, gh_ce, gw_ce, gb_ce))
             kd_sum += kd.detach()
             ce_sum += ce.detach() if has_ce else 0.0
             if not want_grad:
@@ -356,6 +362,8 @@ def chunked_distillation_loss(
     teacher_logit_scale: float | None = None,
     student_softcap: float | None = None,
     teacher_softcap: float | None = None,
+    kd_grad: bool = True,
+    ce_grad: bool = True,
 ) -> DistillationLossOutput:
     """Distillation loss straight from hidden states, never materialising full ``[N, V]`` logits.
 
@@ -366,7 +374,9 @@ def chunked_distillation_loss(
     (already shifted, aligned with the rows) the student's CE over its full vocabulary at T=1 is also returned
     (label -100 rows add 0). Both are sums over selected rows / ``num_items_in_batch`` (else / row count), in
     >= fp32. Grads reach the student hidden (and weight/bias if they require grad); teacher inputs never get
-    grads. A frozen student weight (``requires_grad=False``) gets no weight-grad buffer.
+    grads. A frozen student weight (``requires_grad=False``) gets no weight-grad buffer. ``kd_grad=False`` /
+    ``ce_grad=False``: that term is returned for logging but gets no gradient (and no gradient buffers), for a
+    loss that weights it 0 (``alpha`` = 0 or 1).
     """
     _check_args(loss_type, beta, skew_alpha, temperature)
     v_s, h_s_dim = student_lm_head_weight.shape
@@ -414,6 +424,8 @@ def chunked_distillation_loss(
         "t_scale": teacher_logit_scale,
         "s_softcap": student_softcap,
         "t_softcap": teacher_softcap,
+        "kd_grad": kd_grad,
+        "ce_grad": ce_grad,
     }
     t_bias = None if teacher_lm_head_bias is None else teacher_lm_head_bias.detach()
     kd_sum, ce_sum = _ChunkedDistillation.apply(

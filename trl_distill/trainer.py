@@ -345,6 +345,7 @@ class DistillationTrainer(SFTTrainer):
                 num_items_in_batch=num_items_in_batch, chunk_size=args.loss_chunk_size, vocab_size=self.vocab_size,
                 student_logit_scale=s_head.logit_scale, teacher_logit_scale=t_head.logit_scale,
                 student_softcap=s_head.softcap, teacher_softcap=t_head.softcap,
+                kd_grad=args.alpha > 0, ce_grad=args.alpha < 1,  # a term weighted 0 is only logged
             )
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
