@@ -1,0 +1,242 @@
+"""One timed distillation run for `benchmarks/trainers.py`, on 1 process (``python``) or several (``torchrun``).
+
+    trainer_worker.py '<spec JSON>'
+
+Contenders (``spec["trainer"]``):
+
+* ``ours``: `trl_distill.DistillationTrainer` (``alpha=1``: pure forward KL at T=1), student DeepSpeed config
+  ``spec["deepspeed"]`` (or none), teacher ZeRO-3 derived by the trainer.
+* ``gkd``: `trl.experimental.gkd.GKDTrainer` with ``lmbda=0, beta=0, seq_kd=False`` (off-policy forward KL), the
+  same student DeepSpeed config (TRL then prepares the teacher itself: stage 0 beside a ZeRO-2 student, ZeRO-3
+  beside a ZeRO-3 one).
+* ``bare``: a plain PyTorch loop: teacher forward under ``no_grad``, student forward, full-logit KL on completion
+  tokens, backward, gradient clipping at 1.0 and fused AdamW (what the Trainer runs by default), no Trainer.
+
+Every contender reads the same saved models and the same pre-tokenized batches through one collator. Each rank
+writes ``<spec["out"]>/rank<k>.json``: memory probes (``/proc/self/status`` VmRSS / VmHWM; the high-water mark is
+reset through ``/proc/self/clear_refs`` right after the teacher is ready, so the load and training peaks are
+separate), the teacher bytes this rank holds, and a ``time.perf_counter`` stamp at the end of every optimizer step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+
+import torch
+
+KIB = 1024
+
+
+# ---- memory and teacher size --------------------------------------------------------------------------------
+def _status() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key = line.split(":", 1)[0]
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                out[key] = int(line.split()[1]) * KIB
+    return out
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def probe(rec: dict, name: str, reset: bool = False) -> None:
+    """Record VmRSS, VmHWM and ru_maxrss (bytes) under `name`; optionally reset the high-water mark after."""
+    rec["memory"][name] = {**_status(), "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KIB}
+    if reset:
+        rec["memory"][name]["hwm_reset"] = _reset_hwm()
+
+
+def teacher_bytes(module: torch.nn.Module) -> dict[str, int]:
+    """Bytes of teacher parameters this rank holds: its ZeRO-3 partitions (``ds_tensor``) plus every parameter
+    whose full data is present (unpartitioned, or ZeRO-3 persistent/gathered), outside any forward."""
+    partition = full = total = 0
+    for p in module.parameters():
+        size = p.element_size()
+        if hasattr(p, "ds_tensor"):
+            partition += p.ds_tensor.numel() * size
+            total += p.ds_numel * size
+            full += p.numel() * size  # 0 while partitioned; the whole tensor for persistent parameters
+        else:
+            full += p.numel() * size
+            total += p.numel() * size
+    return {"held": partition + full, "partition": partition, "materialized": full, "total": total}
+
+
+# ---- data ---------------------------------------------------------------------------------------------------
+def dataset(spec: dict):
+    """Random token ids (fixed seed), each sequence split at a random point into prompt and completion."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(spec["data_seed"])
+    n, t = spec["num_examples"], spec["seq_len"]
+    ids = torch.randint(4, spec["vocab_size"], (n, t), generator=g)  # ids 0-3 are the special tokens
+    lo, hi = spec["prompt_len_range"]
+    prompt = torch.randint(lo, hi + 1, (n,), generator=g)
+    completion = torch.arange(t).unsqueeze(0) >= prompt.unsqueeze(1)
+    spec["loss_token_fraction"] = completion[:, 1:].sum().item() / (n * t)  # shifted labels that carry loss
+    return Dataset.from_dict({"input_ids": ids.tolist(), "completion_mask": completion.int().tolist()})
+
+
+def collate(examples: list[dict]) -> dict[str, torch.Tensor]:
+    """``labels`` = input ids with the prompt masked (-100); every contender gets exactly these tensors."""
+    ids = torch.tensor([e["input_ids"] for e in examples])
+    completion = torch.tensor([e["completion_mask"] for e in examples], dtype=torch.bool)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.masked_fill(~completion, -100)}
+
+
+# ---- contenders ---------------------------------------------------------------------------------------------
+def common_args(spec: dict) -> dict:
+    return dict(
+        output_dir=spec["out"], max_steps=spec["steps"], per_device_train_batch_size=spec["batch"],
+        learning_rate=1e-4, lr_scheduler_type="constant", seed=0, bf16=False, fp16=False,
+        gradient_checkpointing=False, report_to="none", disable_tqdm=True, save_strategy="no",
+        logging_steps=10**6, remove_unused_columns=False, dataset_kwargs={"skip_prepare_dataset": True},
+        deepspeed=spec["deepspeed"], dataloader_num_workers=0,
+    )  # fmt: skip
+
+
+def step_timer():
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.ends: list[float] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ends.append(time.perf_counter())
+
+    return StepTimer()
+
+
+def run_ours(spec: dict, rec: dict, data, tokenizer) -> list[float]:
+    from trl_distill import DistillationConfig, DistillationTrainer
+
+    args = DistillationConfig(
+        **common_args(spec), alpha=1.0, temperature=1.0, divergence="forward_kl", assistant_only_loss=False
+    )
+    probe(rec, "before_trainer")
+    trainer = DistillationTrainer(
+        spec["student"], spec["teacher"], args=args, train_dataset=data, processing_class=tokenizer,
+        data_collator=collate,
+    )
+    prepare = trainer._prepare_teacher
+
+    def prepare_and_probe():  # the teacher is loaded and prepared inside train(), after the Trainer's free_memory()
+        first = not trainer.teacher.prepared
+        prepare()
+        if first:
+            probe(rec, "teacher_ready", reset=True)
+
+    trainer._prepare_teacher = prepare_and_probe
+    timer = step_timer()
+    trainer.add_callback(timer)
+    rec["train_loss"] = trainer.train().training_loss
+    rec["teacher_bytes"] = teacher_bytes(trainer.teacher.module)
+    rec["world_size"] = trainer.args.world_size
+    return timer.ends
+
+
+def run_gkd(spec: dict, rec: dict, data, tokenizer) -> list[float]:
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    from trl_distill.distributed import prepare_cpu_distributed_state
+
+    class CPUGKDConfig(GKDConfig):
+        """GKDConfig with the gloo process-group set-up DeepSpeed needs on a CPU-only machine (nothing else)."""
+
+        def __post_init__(self):
+            prepare_cpu_distributed_state(self)
+            super().__post_init__()
+
+    args = CPUGKDConfig(**common_args(spec), lmbda=0.0, beta=0.0, seq_kd=False, temperature=1.0)
+    probe(rec, "before_trainer")
+    trainer = GKDTrainer(
+        spec["student"], spec["teacher"], args=args, train_dataset=data, processing_class=tokenizer,
+        data_collator=collate,
+    )
+    probe(rec, "teacher_ready", reset=True)  # GKD loads and prepares its teacher in __init__
+    timer = step_timer()
+    trainer.add_callback(timer)
+    rec["train_loss"] = trainer.train().training_loss
+    rec["teacher_bytes"] = teacher_bytes(getattr(trainer.teacher_model, "module", trainer.teacher_model))
+    rec["world_size"] = trainer.args.world_size
+    return timer.ends
+
+
+def run_bare(spec: dict, rec: dict, data, tokenizer) -> list[float]:
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    probe(rec, "before_trainer")
+    student = AutoModelForCausalLM.from_pretrained(spec["student"], dtype=torch.float32).train()
+    teacher = AutoModelForCausalLM.from_pretrained(spec["teacher"], dtype=torch.float32).eval().requires_grad_(False)
+    probe(rec, "teacher_ready", reset=True)
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
+    ends, losses, b = [], [], spec["batch"]
+    for step in range(spec["steps"]):
+        batch = collate([data[i] for i in range(step * b, (step + 1) * b)])
+        labels = batch.pop("labels")[:, 1:]
+        mask = labels != -100
+        with torch.no_grad():
+            t_logits = teacher(**batch).logits[:, :-1]
+        s_logits = student(**batch).logits[:, :-1]
+        t_logp = F.log_softmax(t_logits[mask], dim=-1)
+        s_logp = F.log_softmax(s_logits[mask], dim=-1)
+        loss = F.kl_div(s_logp, t_logp, reduction="sum", log_target=True) / mask.sum().clamp(min=1)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        ends.append(time.perf_counter())
+    rec["train_loss"] = sum(losses) / len(losses)
+    rec["teacher_bytes"] = teacher_bytes(teacher)
+    rec["world_size"] = 1
+    return ends
+
+
+RUNNERS = {"ours": run_ours, "gkd": run_gkd, "bare": run_bare}
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", "0"))
+    rec: dict = {"rank": rank, "spec": spec, "memory": {}}
+    probe(rec, "start")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer"])
+    data = dataset(spec)
+    ends = RUNNERS[spec["trainer"]](spec, rec, data, tokenizer)
+    probe(rec, "after_train")
+    warm = spec["warmup"]
+    rec["step_ends"] = ends
+    rec["timed_steps"] = len(ends) - warm
+    rec["timed_seconds"] = ends[-1] - ends[warm - 1]
+    rec["torch_threads"] = torch.get_num_threads()
+    rec["loss_token_fraction"] = spec["loss_token_fraction"]
+    path = os.path.join(spec["out"], f"rank{rank}.json")
+    os.makedirs(spec["out"], exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(rec, f)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
