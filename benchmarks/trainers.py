@@ -326,11 +326,45 @@ def machine() -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}  # fmt: skip
 
 
+README_START, README_END = "<!-- bench:trainers:start -->", "<!-- bench:trainers:end -->"
+
+
+def readme_block(rep: dict) -> str:
+    """The README's headline table (between its markers), generated from the JSON like trainers.md."""
+    mach, load = rep["machine"], rep.get("load_average_1min", {})
+    lines = [
+        f"Run of {mach['date'][:10]}: {rep['total_runtime_s']:.0f} s on {mach['cpu_count']} CPUs, 1-minute load "
+        f"average {load.get('start', float('nan')):.1f} at the start and {load.get('end', float('nan')):.1f} at the "
+        "end (2 = both cores busy). Median [min, max] over repeats, ratios repeat by repeat:",
+        "",
+        "| measure | ours | vs | ratio | goal | |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rep["ratios"].values():
+        goal = f"{r['goal_op']} {r['goal']}" if r["goal"] is not None else ""
+        met = "" if "met" not in r else ("met" if r["met"] else "**missed**")
+        lines.append(f"| {r['what']} | {r['numerator']} | {r['denominator']} | {_mmm(r, '.2f')} | {goal} | {met} |")
+    return "\n".join(lines)
+
+
+def update_readme(rep: dict, readme: Path = ROOT / "README.md") -> bool:
+    """Replace the block between the README's markers; False when the README has no markers."""
+    text = readme.read_text()
+    if README_START not in text or README_END not in text:
+        return False
+    head, rest = text.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    readme.write_text(f"{head}{README_START}\n{readme_block(rep)}\n{README_END}{tail}")
+    return True
+
+
 def write_outputs(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "trainers.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "trainers.md").write_text(markdown(report))
     plot(report, out / "trainers.png")
+    if not report["smoke"] and out.resolve() == (ROOT / "benchmarks" / "results").resolve():
+        update_readme(report)
 
 
 def main() -> None:

@@ -75,3 +75,16 @@ def test_smoke_markdown_and_plot_from_json(smoke):
     assert md == bench.markdown(report)  # the table is generated from the JSON
     assert "| setup |" in md and "| ratio (repeat by repeat) |" in md
     assert (out / "trainers.png").stat().st_size > 0
+
+
+@pytest.mark.distributed
+def test_smoke_readme_block_replaced_between_markers(smoke, tmp_path):
+    _, report = smoke
+    bench = _load_script()
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{bench.README_START}\nold table\n{bench.README_END}\noutro\n")
+    assert bench.update_readme(report, readme)
+    text = readme.read_text()
+    assert "old table" not in text and text.startswith("intro\n") and text.endswith("outro\n")
+    assert text.count("| teacher bytes per rank |") == 1
+    assert (ROOT / "README.md").read_text().count(bench.README_START) == 1  # the real README has the markers
