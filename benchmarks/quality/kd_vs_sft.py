@@ -1,0 +1,269 @@
+"""Does distillation work? Students trained SFT-only vs distilled from a better teacher, on a real corpus.
+
+    make experiment                                    # about 15 minutes on 2 CPU cores
+    python benchmarks/quality/kd_vs_sft.py [--smoke] [--output_dir DIR] [--work_dir DIR]
+
+Everything goes through the project's own trainer, from the `trl-distill` CLI (`python -m trl_distill`, one
+process, one thread per run, two runs at a time):
+
+1. A BPE tokenizer is trained on the train split of the bundled corpus (`examples/data/python_reference`, Python
+   Language Reference topics split by topic) only; the held-out topics are never seen before scoring.
+2. The teacher (the quickstart's size) is trained on the train split with ``--alpha 0``: pure cross-entropy SFT
+   through `DistillationTrainer`. The CLI needs some teacher even then; it gets an untrained student (the cheapest
+   model sharing the tokenizer), whose term alpha=0 multiplies by zero. A student is also trained alone with the
+   teacher's exact recipe (steps, batch), to show the teacher is better than the student size can get on its own.
+3. Students of one size, steps, batch, data and seeds: SFT-only (``--alpha 0``, dummy teacher as above) and
+   distilled with forward_kl, reverse_kl and jsd at alpha 1.0 (pure KD) and 0.5 (KD + CE), temperature 1.
+   Seed s fixes a student's initial weights (the same for every method) and the data order (``--seed s``).
+4. Checkpoints every few steps are scored on the held-out topics with the quickstart's `compare`: student
+   cross-entropy (perplexity), KL(teacher||student) and top-1 agreement with the teacher.
+
+Writes `kd_vs_sft.json`, `kd_vs_sft.md` (the table for the README) and `kd_vs_sft.png` to --output_dir
+(default benchmarks/quality/results); models, checkpoints and CLI logs go to --work_dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(HERE))
+
+from kd_vs_sft_report import markdown, plot, summarize  # noqa: E402
+from quickstart import CORPUS, MAX_LENGTH, SIZES, compare  # noqa: E402
+
+from trl_distill.testing import build_tiny_model, build_tokenizer  # noqa: E402
+
+VOCAB_SIZE = 2048
+SFT = {"name": "sft", "divergence": "forward_kl", "alpha": 0.0}  # alpha 0: the divergence is never used
+METHODS = [SFT] + [
+    {"name": f"{divergence}/a{alpha}", "divergence": divergence, "alpha": alpha}
+    for divergence in ("forward_kl", "reverse_kl", "jsd")
+    for alpha in (1.0, 0.5)
+]
+PLANS = {
+    "full": dict(seeds=[1, 2, 3], methods=[m["name"] for m in METHODS], vocab_size=VOCAB_SIZE,
+                 teacher_steps=600, teacher_batch=16, steps=300, batch=8, eval_every=50, heldout_texts=None),
+    "smoke": dict(seeds=[1], methods=["sft", "forward_kl/a0.5"], vocab_size=512,
+                  teacher_steps=4, teacher_batch=4, steps=4, batch=4, eval_every=2, heldout_texts=8),
+}
+# Shared by every CLI run (teacher, reference and students)
+TRAINING = dict(learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=20, temperature=1.0, max_length=MAX_LENGTH)
+_LOCK = threading.Lock()
+_START = time.time()
+
+
+def say(message: str) -> None:
+    with _LOCK:
+        print(f"[{time.time() - _START:6.0f} s] {message}", flush=True)
+
+
+# ---- Models and the CLI ----
+
+def prepare(work: Path, plan: dict, train_texts: list[str]) -> dict[str, Path]:
+    """Tokenizer (train split only), the untrained teacher and one untrained student per seed, saved under `work`."""
+    tokenizer = build_tokenizer(vocab_size=plan["vocab_size"], corpus=train_texts)
+    paths = {"teacher_init": work / "init" / "teacher"}
+    models = {"teacher_init": build_tiny_model(tokenizer, "teacher", seed=0, max_position_embeddings=MAX_LENGTH,
+                                               **SIZES["teacher"])}
+    for seed in plan["seeds"]:
+        paths[f"student_init_{seed}"] = work / "init" / f"student_seed{seed}"
+        models[f"student_init_{seed}"] = build_tiny_model(
+            tokenizer, "student", seed=seed, max_position_embeddings=MAX_LENGTH, **SIZES["student"])
+    for key, model in models.items():
+        model.save_pretrained(paths[key])
+        tokenizer.save_pretrained(paths[key])
+    return paths
+
+
+def n_params(path: Path) -> int:
+    from transformers import AutoModelForCausalLM
+
+    return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
+
+
+def cli(student: Path, teacher: Path, out: Path, *, steps: int, batch: int, seed: int, alpha: float,
+        divergence: str, save_every: int | None) -> float:
+    """One `python -m trl_distill` run on one thread; returns its wall time. The log lands in `out`.log."""
+    args = dict(TRAINING, model_name_or_path=student, teacher_model_name_or_path=teacher, output_dir=out,
+                dataset_name=Path(CORPUS) / "train.jsonl", max_steps=steps, per_device_train_batch_size=batch,
+                seed=seed, alpha=alpha, divergence=divergence, logging_steps=max(1, steps // 6),
+                save_strategy="steps" if save_every else "no", bf16=False, gradient_checkpointing=False,
+                report_to="none", disable_tqdm=True, use_cpu=True)
+    if save_every:
+        args.update(save_steps=save_every, save_only_model=True)
+    cmd = [sys.executable, "-m", "trl_distill"] + [item for k, v in args.items() for item in (f"--{k}", str(v))]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    log = out.parent / f"{out.name}.log"
+    shutil.rmtree(out, ignore_errors=True)  # no stale checkpoints from an earlier run of different length
+    out.parent.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    with open(log, "w") as f:
+        result = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({result.returncode}); end of {log}:\n{log.read_text()[-4000:]}")
+    return time.time() - start
+
+
+# ---- Held-out scoring (quickstart.compare) ----
+
+class TeacherLogits:
+    """The teacher's held-out logits, computed once: `compare` asks `teacher(ids).logits` for every checkpoint."""
+
+    def __init__(self, teacher, tokenizer, texts: list[str]):
+        self.logits = {}
+        with torch.no_grad():
+            for text in texts:
+                ids = tokenizer(text, truncation=True, max_length=MAX_LENGTH, return_tensors="pt")["input_ids"]
+                self.logits[tuple(ids[0].tolist())] = teacher(ids).logits
+
+    def __call__(self, ids):
+        return SimpleNamespace(logits=self.logits[tuple(ids[0].tolist())])
+
+
+def score(path: Path, step: int, heldout: SimpleNamespace) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    student = AutoModelForCausalLM.from_pretrained(path).eval()
+    m = compare(student, heldout.teacher, heldout.tokenizer, heldout.texts)
+    return {"step": step, "ce": m["student_ce"], "ppl": float(torch.tensor(m["student_ce"]).exp()),
+            "kl_to_teacher": m["kl_to_teacher"], "top1_agreement": m["top1_agreement"]}
+
+
+def curve(out: Path, init: Path, heldout: SimpleNamespace) -> list[dict]:
+    """Held-out metrics at step 0 (the initial student) and at every checkpoint of the run in `out`."""
+    found = ((re.fullmatch(r"checkpoint-(\d+)", p.name), p) for p in out.iterdir())
+    checkpoints = sorted((int(m.group(1)), p) for m, p in found if m)
+    return [score(init, 0, heldout)] + [score(p, step, heldout) for step, p in checkpoints]
+
+
+# ---- The experiment ----
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="KD vs SFT-only students on the bundled Python reference corpus")
+    parser.add_argument("--smoke", action="store_true", help="a few steps, 1 seed, 2 methods (well under a minute)")
+    parser.add_argument("--output_dir", default=str(HERE / "results"), help="where kd_vs_sft.{json,md,png} go")
+    parser.add_argument("--work_dir", default=None, help="models, checkpoints, CLI logs (default outputs/kd_vs_sft)")
+    parser.add_argument("--jobs", type=int, default=2, help="CLI runs at a time, one thread each")
+    args = parser.parse_args(argv)
+    plan = PLANS["smoke" if args.smoke else "full"]
+    out = Path(args.output_dir).resolve()
+    work = Path(args.work_dir or ROOT / "outputs" / ("kd_vs_sft_smoke" if args.smoke else "kd_vs_sft")).resolve()
+    torch.set_num_threads(1)
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    from datasets import load_dataset
+
+    corpus = load_dataset("json", data_files={s: os.path.join(CORPUS, f"{s}.jsonl") for s in ("train", "heldout")})
+    say(f"tokenizer on the {len(corpus['train'])} train pieces only; models -> {work}")
+    paths = prepare(work, plan, corpus["train"]["text"])
+    texts = corpus["heldout"]["text"][: plan["heldout_texts"]]
+    runs, info = experiment(plan, work, paths, texts, args.jobs)
+    report = {"settings": settings(plan, paths, len(corpus["train"]), len(texts)), **info, "runs": runs,
+              "summary": summarize(runs, plan["methods"]), "wall_seconds": time.time() - _START, "machine": machine()}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kd_vs_sft.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "kd_vs_sft.md").write_text(markdown(report))
+    plot(report, out / "kd_vs_sft.png")
+    say(f"wrote {out}/kd_vs_sft.{{json,md,png}}\n\n{markdown(report)}")
+
+
+def experiment(plan: dict, work: Path, paths: dict, texts: list[str], jobs: int) -> tuple[list[dict], dict]:
+    """Teacher, reference and SFT students first (none needs the trained teacher), KD students once it exists."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    teacher_dir, dummy = work / "teacher", paths[f"student_init_{plan['seeds'][0]}"]
+    recipe = dict(steps=plan["teacher_steps"], batch=plan["teacher_batch"], seed=0, alpha=0.0,
+                  divergence="forward_kl", save_every=None)
+    heldout_ready: Future = Future()
+
+    def teacher_job() -> float:
+        try:
+            seconds = cli(paths["teacher_init"], dummy, teacher_dir, **recipe)
+            tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
+            model = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
+            heldout_ready.set_result(SimpleNamespace(teacher=TeacherLogits(model, tokenizer, texts),
+                                                     tokenizer=tokenizer, texts=texts))
+        except BaseException as error:  # the KD runs wait on the teacher: let them fail too, not hang
+            heldout_ready.set_exception(error)
+            raise
+        say(f"teacher trained in {seconds:.0f} s")
+        return seconds
+
+    def reference_job() -> float:  # the student size trained alone with the teacher's recipe
+        return cli(dummy, dummy, work / "reference_student", **recipe)
+
+    def student_job(method: dict, seed: int) -> dict:
+        init, run_dir = paths[f"student_init_{seed}"], work / "students" / f"{method['name'].replace('/', '_')}_s{seed}"
+        teacher = dummy
+        if method["alpha"] > 0:
+            heldout_ready.result()  # wait for the trained teacher
+            teacher = teacher_dir
+        seconds = cli(init, teacher, run_dir, steps=plan["steps"], batch=plan["batch"], seed=seed,
+                      alpha=method["alpha"], divergence=method["divergence"], save_every=plan["eval_every"])
+        say(f"{method['name']} seed {seed}: trained in {seconds:.0f} s")
+        return {"method": method["name"], "divergence": method["divergence"], "alpha": method["alpha"], "seed": seed,
+                "seconds": seconds, "dir": run_dir, "init": init}
+
+    def scored(future: Future) -> dict:
+        run = future.result()
+        run["curve"] = curve(run.pop("dir"), run.pop("init"), heldout_ready.result())
+        say(f"{run['method']} seed {run['seed']}: held-out CE {run['curve'][-1]['ce']:.4f}")
+        return run
+
+    chosen = [m for m in METHODS if m["name"] in plan["methods"]]
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        teacher_f, reference_f = pool.submit(teacher_job), pool.submit(reference_job)
+        # SFT runs first: they can train while the teacher does; the KD runs wait for it.
+        order = sorted(((m, s) for m in chosen for s in plan["seeds"]), key=lambda ms: ms[0]["alpha"] > 0)
+        trained = [pool.submit(student_job, m, s) for m, s in order]
+        runs = [pool.submit(scored, f) for f in trained]
+        runs = [f.result() for f in runs]
+        heldout = heldout_ready.result()
+        teacher_seconds, reference_seconds = teacher_f.result(), reference_f.result()
+        info = {"teacher": {"seconds": teacher_seconds, "params": n_params(teacher_dir),
+                            "heldout": score(teacher_dir, plan["teacher_steps"], heldout)},
+                "reference_student": {"seconds": reference_seconds,
+                                      "heldout": score(work / "reference_student", plan["teacher_steps"], heldout)}}
+    return runs, info
+
+
+def settings(plan: dict, paths: dict, n_train: int, n_heldout: int) -> dict:
+    return {**plan, "methods": [m for m in METHODS if m["name"] in plan["methods"]], "training": TRAINING,
+            "sizes": SIZES, "student_params": n_params(paths[f"student_init_{plan['seeds'][0]}"]),
+            "train_pieces": n_train, "heldout_pieces": n_heldout, "corpus": os.path.relpath(CORPUS, ROOT)}
+
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return {"cpu": cpu, "cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            # CPU seconds of this process and every CLI run; the load average shows whether others shared the CPUs
+            "cpu_seconds": sum(u.ru_utime + u.ru_stime for u in usage), "load_average_1_5_15": os.getloadavg()}
+
+
+if __name__ == "__main__":
+    main()

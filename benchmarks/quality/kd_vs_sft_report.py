@@ -1,0 +1,154 @@
+"""Summary, markdown table and plot of `kd_vs_sft.py`'s runs (statistics over seeds, KD paired against SFT)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+METRICS = ("ce", "ppl", "kl_to_teacher", "top1_agreement")
+COLORS = {"sft": "black", "forward_kl": "tab:blue", "reverse_kl": "tab:red", "jsd": "tab:green"}
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    """Mean, sample standard deviation (0 for one value), min and max."""
+    return {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values), "n": len(values)}
+
+
+def summarize(runs: list[dict], methods: list[str]) -> dict[str, dict]:
+    """Per method: final held-out metrics and the curve, over seeds; held-out CE minus SFT's, paired by seed."""
+    sft_final = {r["seed"]: r["curve"][-1]["ce"] for r in runs if r["method"] == "sft"}
+    summary = {}
+    for name in methods:
+        mine = sorted((r for r in runs if r["method"] == name), key=lambda r: r["seed"])
+        steps = [point["step"] for point in mine[0]["curve"]]
+        entry = {
+            "divergence": mine[0]["divergence"], "alpha": mine[0]["alpha"], "seeds": [r["seed"] for r in mine],
+            "final_step": steps[-1],
+            "final": {k: stats([r["curve"][-1][k] for r in mine]) for k in METRICS},
+            "curve": [{"step": s, **{k: stats([r["curve"][i][k] for r in mine]) for k in METRICS}}
+                      for i, s in enumerate(steps)],
+        }
+        if name != "sft" and all(r["seed"] in sft_final for r in mine):
+            deltas = [r["curve"][-1]["ce"] - sft_final[r["seed"]] for r in mine]
+            entry["ce_minus_sft"] = {**stats(deltas), "seeds_better": sum(d < 0 for d in deltas)}
+        summary[name] = entry
+    return summary
+
+
+def _pm(s: dict, fmt: str = ".3f") -> str:
+    return f"{s['mean']:{fmt}} ± {s['sd']:{fmt}}"
+
+
+def _label(name: str, entry: dict) -> str:
+    if name == "sft":
+        return "SFT only (α=0)"
+    return f"{entry['divergence']} α={entry['alpha']:g}" + (" (+CE)" if entry["alpha"] < 1 else "")
+
+
+def table(report: dict) -> list[str]:
+    rows = [
+        "| method | held-out CE ↓ | perplexity ↓ | CE − SFT, paired [min, max] | KL(teacher‖student) ↓ | "
+        "top-1 agreement ↑ |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, entry in report["summary"].items():
+        f, delta = entry["final"], entry.get("ce_minus_sft")
+        paired = "—" if delta is None else (
+            f"{delta['mean']:+.3f} [{delta['min']:+.3f}, {delta['max']:+.3f}] "
+            f"({delta['seeds_better']}/{delta['n']} seeds better)")
+        rows.append(f"| {_label(name, entry)} | {_pm(f['ce'])} | {_pm(f['ppl'], '.1f')} | {paired} | "
+                    f"{_pm(f['kl_to_teacher'])} | {_pm(f['top1_agreement'])} |")
+    return rows
+
+
+def findings(report: dict) -> list[str]:
+    """Plain statements read off the numbers (no judgement beyond the sign of the paired difference)."""
+    summary, teacher = report["summary"], report["teacher"]["heldout"]
+    ref = report["reference_student"]["heldout"]
+    lines = [f"- Teacher held-out CE {teacher['ce']:.3f} (perplexity {teacher['ppl']:.1f}); the student size trained "
+             f"alone with the teacher's recipe reaches {ref['ce']:.3f} ({ref['ppl']:.1f}), "
+             f"{ref['ce'] - teacher['ce']:+.3f} nats/token from the teacher."]
+    kd = {n: e for n, e in summary.items() if "ce_minus_sft" in e}
+    if kd and "sft" in summary:
+        best = min(kd, key=lambda n: kd[n]["final"]["ce"]["mean"])
+        d = kd[best]["ce_minus_sft"]
+        lines.append(f"- Best held-out CE: {_label(best, kd[best])}, {d['mean']:+.3f} nats/token vs SFT only "
+                     f"(paired over seeds, [{d['min']:+.3f}, {d['max']:+.3f}]; perplexity "
+                     f"{summary['sft']['final']['ppl']['mean']:.1f} → {kd[best]['final']['ppl']['mean']:.1f}).")
+        better = [_label(n, e) for n, e in kd.items() if e["ce_minus_sft"]["max"] < 0]
+        worse = [_label(n, e) for n, e in kd.items() if e["ce_minus_sft"]["min"] > 0]
+        lines.append(f"- Lower held-out CE than SFT only on every seed: {', '.join(better) or 'none'}.")
+        lines.append(f"- Higher held-out CE than SFT only on every seed: {', '.join(worse) or 'none'}.")
+    return lines
+
+
+def markdown(report: dict) -> str:
+    s = report["settings"]
+    t, sizes = s["training"], s["sizes"]
+    head = [
+        "# Distillation vs SFT-only on a real corpus",
+        "",
+        f"Corpus: `{s['corpus']}` (Python Language Reference topics, split by topic: {s['train_pieces']} train "
+        f"pieces, {s['heldout_pieces']} held-out pieces). BPE tokenizer (vocabulary {s['vocab_size']}) trained on "
+        f"the train split only; sequences of up to {t['max_length']} tokens. Every model is trained by the "
+        "`trl-distill` CLI (`DistillationTrainer`, 1 process, 1 thread, fp32, CPU).",
+        "",
+        f"Teacher: Llama, hidden {sizes['teacher']['hidden_size']} × {sizes['teacher']['num_hidden_layers']} layers, "
+        f"{report['teacher']['params'] / 1e6:.2f}M parameters, {s['teacher_steps']} steps × batch "
+        f"{s['teacher_batch']} of cross-entropy (`--alpha 0`). Students: hidden {sizes['student']['hidden_size']} × "
+        f"{sizes['student']['num_hidden_layers']} layers, {s['student_params'] / 1e6:.2f}M parameters, "
+        f"{s['steps']} steps × batch {s['batch']}, learning rate {t['learning_rate']:g} ({t['lr_scheduler_type']}, "
+        f"{t['warmup_steps']} warm-up steps), temperature {t['temperature']:g}, seeds {s['seeds']} (a seed fixes "
+        "the initial student, the same for every method, and the data order). loss = α·KD + (1 − α)·CE.",
+        "",
+        f"Held-out metrics after {s['steps']} steps, per token, mean ± standard deviation over "
+        f"{len(s['seeds'])} seed(s); CE − SFT is each seed's CE minus the SFT-only student's of the same seed.",
+        "",
+    ]
+    machine = report["machine"]
+    tail = ["", *findings(report), "",
+            f"Whole experiment: {report['wall_seconds'] / 60:.1f} min wall, {machine['cpu_seconds'] / 60:.1f} CPU-min, "
+            f"on {machine['cpus']} × {machine['cpu']} (torch {machine['torch']}, {machine['date']}; load average "
+            f"{machine['load_average_1_5_15'][2]:.1f} over the last 15 min). Curves: `kd_vs_sft.png`; every run: "
+            "`kd_vs_sft.json`.",
+            ""]
+    return "\n".join(head + table(report) + tail)
+
+
+def plot(report: dict, path: Path) -> None:
+    """Held-out CE, KL(teacher‖student) and top-1 agreement vs step: mean over seeds, min-max band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("ce", "held-out cross-entropy (nats/token)"), ("kl_to_teacher", "held-out KL(teacher‖student)"),
+              ("top1_agreement", "held-out top-1 agreement with teacher")]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.2))
+    for ax, (key, title) in zip(axes, panels):
+        for name, entry in report["summary"].items():
+            points = entry["curve"][1:]  # step 0 (untrained) would flatten the interesting range
+            steps = [p["step"] for p in points]
+            color = COLORS["sft" if name == "sft" else entry["divergence"]]
+            style = "-" if entry["alpha"] in (0.0, 1.0) else "--"
+            ax.plot(steps, [p[key]["mean"] for p in points], style, color=color, marker=".", lw=1.6,
+                    label=_label(name, entry))
+            ax.fill_between(steps, [p[key]["min"] for p in points], [p[key]["max"] for p in points], color=color,
+                            alpha=0.12, lw=0)
+        ax.set_title(title)
+        ax.set_xlabel("student training step (the untrained step 0 is left out)")
+        ax.grid(alpha=0.3)
+    teacher, ref = report["teacher"]["heldout"], report["reference_student"]["heldout"]
+    axes[0].axhline(teacher["ce"], color="gray", ls=":", lw=1.5, label=f"teacher ({teacher['ce']:.2f})")
+    if math.isfinite(ref["ce"]):
+        axes[0].axhline(ref["ce"], color="gray", ls="-.", lw=1.2,
+                        label=f"student alone, teacher's budget ({ref['ce']:.2f})")
+    axes[0].legend(fontsize=8)
+    s = report["settings"]
+    sizes = f"students ({s['student_params'] / 1e6:.2f}M) vs a {report['teacher']['params'] / 1e6:.2f}M teacher"
+    fig.suptitle(f"KD vs SFT only, {sizes}: mean over seeds {s['seeds']}, band = min-max", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
