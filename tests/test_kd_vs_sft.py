@@ -35,21 +35,28 @@ def test_summary_pairs_kd_with_sft_seed_by_seed():
     assert "ce_minus_sft" not in summary["sft"]
 
 
-def _check_report(report: dict) -> None:
-    assert {"settings", "teacher", "reference_student", "runs", "summary", "wall_seconds", "machine"} <= set(report)
-    methods = report["settings"]["methods"]
-    assert [m["name"] for m in methods] == ["sft", "forward_kl/a0.5"] and set(report["summary"]) == {"sft",
-                                                                                                   "forward_kl/a0.5"}
-    assert len(report["runs"]) == len(methods) * len(report["settings"]["seeds"])
-    for run in report["runs"]:
-        steps = [point["step"] for point in run["curve"]]
-        assert steps == [0, 2, 4]  # the initial student and every checkpoint (--smoke: 4 steps, one per 2)
+def _check_runs(runs: list[dict], summary: dict, steps: list[int]) -> None:
+    assert set(summary) == {"sft", "forward_kl/a0.5"}
+    for run in runs:
+        assert [point["step"] for point in run["curve"]] == steps  # the initial student, then every checkpoint
         for point in run["curve"]:
             assert METRICS <= set(point) and all(math.isfinite(point[k]) for k in METRICS)
             assert 0.0 <= point["top1_agreement"] <= 1.0 and point["kl_to_teacher"] >= 0.0
-    for entry in report["summary"].values():
+    for entry in summary.values():
         assert all(math.isfinite(entry["final"][k][s]) for k in METRICS for s in ("mean", "sd", "min", "max"))
-    assert math.isfinite(report["summary"]["forward_kl/a0.5"]["ce_minus_sft"]["mean"])
+    assert math.isfinite(summary["forward_kl/a0.5"]["ce_minus_sft"]["mean"])
+
+
+def _check_report(report: dict) -> None:
+    assert {"settings", "teacher", "reference_student", "runs", "summary", "teacher_budget", "wall_seconds",
+            "machine"} <= set(report)
+    methods = report["settings"]["methods"]
+    assert [m["name"] for m in methods] == ["sft", "forward_kl/a0.5"]
+    assert len(report["runs"]) == len(methods) * len(report["settings"]["seeds"])
+    _check_runs(report["runs"], report["summary"], [0, 2, 4])  # --smoke: 4 steps, a checkpoint every 2
+    long = report["teacher_budget"]
+    assert len(long["runs"]) == 2 and {r["seed"] for r in long["runs"]} == {0}
+    _check_runs(long["runs"], long["summary"], [0, 1, 2, 3, 4])  # the teacher's 4 steps, a checkpoint every 1
     teacher = report["teacher"]["heldout"]
     assert teacher["kl_to_teacher"] == pytest.approx(0.0, abs=1e-6) and teacher["top1_agreement"] == 1.0
     assert math.isfinite(report["reference_student"]["heldout"]["ce"])

@@ -1,6 +1,6 @@
 """Does distillation work? Students trained SFT-only vs distilled from a better teacher, on a real corpus.
 
-    make experiment                                    # about 15 minutes on 2 CPU cores
+    make experiment          # about 15 min on 2 idle CPU cores (CPU time 30 min; 25 min wall on a shared machine)
     python benchmarks/quality/kd_vs_sft.py [--smoke] [--output_dir DIR] [--work_dir DIR]
 
 Everything goes through the project's own trainer, from the `trl-distill` CLI (`python -m trl_distill`, one
@@ -10,12 +10,13 @@ process, one thread per run, two runs at a time):
    Language Reference topics split by topic) only; the held-out topics are never seen before scoring.
 2. The teacher (the quickstart's size) is trained on the train split with ``--alpha 0``: pure cross-entropy SFT
    through `DistillationTrainer`. The CLI needs some teacher even then; it gets an untrained student (the cheapest
-   model sharing the tokenizer), whose term alpha=0 multiplies by zero. A student is also trained alone with the
-   teacher's exact recipe (steps, batch), to show the teacher is better than the student size can get on its own.
+   model sharing the tokenizer), whose term alpha=0 multiplies by zero.
 3. Students of one size, steps, batch, data and seeds: SFT-only (``--alpha 0``, dummy teacher as above) and
    distilled with forward_kl, reverse_kl and jsd at alpha 1.0 (pure KD) and 0.5 (KD + CE), temperature 1.
    Seed s fixes a student's initial weights (the same for every method) and the data order (``--seed s``).
-4. Checkpoints every few steps are scored on the held-out topics with the quickstart's `compare`: student
+4. Once, with the teacher's own recipe (steps, batch): the student size alone (SFT only: what it reaches without a
+   teacher at the teacher's budget) and distilled with forward_kl at alpha 1.0 and 0.5.
+5. Checkpoints every few steps are scored on the held-out topics with the quickstart's `compare`: student
    cross-entropy (perplexity), KL(teacher||student) and top-1 agreement with the teacher.
 
 Writes `kd_vs_sft.json`, `kd_vs_sft.md` (the table for the README) and `kd_vs_sft.png` to --output_dir
@@ -59,11 +60,15 @@ METHODS = [SFT] + [
     for divergence in ("forward_kl", "reverse_kl", "jsd")
     for alpha in (1.0, 0.5)
 ]
+# `long_methods`: also trained once (first seed's student, data seed 0) with the teacher's own recipe; "sft" there
+# is the reference: the student size alone with the teacher's budget.
 PLANS = {
     "full": dict(seeds=[1, 2, 3], methods=[m["name"] for m in METHODS], vocab_size=VOCAB_SIZE,
-                 teacher_steps=600, teacher_batch=16, steps=300, batch=8, eval_every=50, heldout_texts=None),
+                 teacher_steps=600, teacher_batch=16, steps=300, batch=8, eval_every=50, heldout_texts=None,
+                 long_methods=["sft", "forward_kl/a1.0", "forward_kl/a0.5"]),
     "smoke": dict(seeds=[1], methods=["sft", "forward_kl/a0.5"], vocab_size=512,
-                  teacher_steps=4, teacher_batch=4, steps=4, batch=4, eval_every=2, heldout_texts=8),
+                  teacher_steps=4, teacher_batch=4, steps=4, batch=4, eval_every=2, heldout_texts=8,
+                  long_methods=["sft", "forward_kl/a0.5"]),
 }
 # Shared by every CLI run (teacher, reference and students)
 TRAINING = dict(learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=20, temperature=1.0, max_length=MAX_LENGTH)
@@ -179,9 +184,11 @@ def main(argv: list[str] | None = None) -> None:
     say(f"tokenizer on the {len(corpus['train'])} train pieces only; models -> {work}")
     paths = prepare(work, plan, corpus["train"]["text"])
     texts = corpus["heldout"]["text"][: plan["heldout_texts"]]
-    runs, info = experiment(plan, work, paths, texts, args.jobs)
+    runs, long_runs, info = experiment(plan, work, paths, texts, args.jobs)
     report = {"settings": settings(plan, paths, len(corpus["train"]), len(texts)), **info, "runs": runs,
-              "summary": summarize(runs, plan["methods"]), "wall_seconds": time.time() - _START, "machine": machine()}
+              "summary": summarize(runs, plan["methods"]),
+              "teacher_budget": {"runs": long_runs, "summary": summarize(long_runs, plan["long_methods"])},
+              "wall_seconds": time.time() - _START, "machine": machine()}
     out.mkdir(parents=True, exist_ok=True)
     (out / "kd_vs_sft.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "kd_vs_sft.md").write_text(markdown(report))
@@ -189,18 +196,21 @@ def main(argv: list[str] | None = None) -> None:
     say(f"wrote {out}/kd_vs_sft.{{json,md,png}}\n\n{markdown(report)}")
 
 
-def experiment(plan: dict, work: Path, paths: dict, texts: list[str], jobs: int) -> tuple[list[dict], dict]:
-    """Teacher, reference and SFT students first (none needs the trained teacher), KD students once it exists."""
+def experiment(plan: dict, work: Path, paths: dict, texts: list[str], jobs: int) -> tuple[list, list, dict]:
+    """All CLI runs, two at a time: the teacher and the runs that need no trained teacher (SFT only) first, the
+    longest first; then the KD runs. Returns the students' runs, the runs at the teacher's budget, teacher info."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    teacher_dir, dummy = work / "teacher", paths[f"student_init_{plan['seeds'][0]}"]
-    recipe = dict(steps=plan["teacher_steps"], batch=plan["teacher_batch"], seed=0, alpha=0.0,
-                  divergence="forward_kl", save_every=None)
+    teacher_dir, first = work / "teacher", plan["seeds"][0]
+    dummy = paths[f"student_init_{first}"]  # the teacher of alpha=0 runs: never used, only loaded
+    short = dict(steps=plan["steps"], batch=plan["batch"], save_every=plan["eval_every"])
+    long = dict(steps=plan["teacher_steps"], batch=plan["teacher_batch"], save_every=max(1, plan["teacher_steps"] // 3))
     heldout_ready: Future = Future()
 
     def teacher_job() -> float:
         try:
-            seconds = cli(paths["teacher_init"], dummy, teacher_dir, **recipe)
+            seconds = cli(paths["teacher_init"], dummy, teacher_dir, steps=long["steps"], batch=long["batch"], seed=0,
+                          alpha=0.0, divergence="forward_kl", save_every=None)
             tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
             model = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
             heldout_ready.set_result(SimpleNamespace(teacher=TeacherLogits(model, tokenizer, texts),
@@ -211,42 +221,39 @@ def experiment(plan: dict, work: Path, paths: dict, texts: list[str], jobs: int)
         say(f"teacher trained in {seconds:.0f} s")
         return seconds
 
-    def reference_job() -> float:  # the student size trained alone with the teacher's recipe
-        return cli(dummy, dummy, work / "reference_student", **recipe)
-
-    def student_job(method: dict, seed: int) -> dict:
-        init, run_dir = paths[f"student_init_{seed}"], work / "students" / f"{method['name'].replace('/', '_')}_s{seed}"
+    def student_job(method: dict, init_seed: int, seed: int, budget: dict, group: str) -> dict:
+        init, run_dir = paths[f"student_init_{init_seed}"], work / group / f"{method['name'].replace('/', '_')}_s{seed}"
         teacher = dummy
         if method["alpha"] > 0:
             heldout_ready.result()  # wait for the trained teacher
             teacher = teacher_dir
-        seconds = cli(init, teacher, run_dir, steps=plan["steps"], batch=plan["batch"], seed=seed,
-                      alpha=method["alpha"], divergence=method["divergence"], save_every=plan["eval_every"])
-        say(f"{method['name']} seed {seed}: trained in {seconds:.0f} s")
+        seconds = cli(init, teacher, run_dir, seed=seed, alpha=method["alpha"], divergence=method["divergence"],
+                      **budget)
+        say(f"{group} {method['name']} seed {seed}: trained in {seconds:.0f} s")
         return {"method": method["name"], "divergence": method["divergence"], "alpha": method["alpha"], "seed": seed,
-                "seconds": seconds, "dir": run_dir, "init": init}
+                "init_seed": init_seed, "seconds": seconds, "dir": run_dir, "init": init}
 
-    def scored(future: Future) -> dict:
+    def scored(group: str, future: Future) -> dict:
         run = future.result()
         run["curve"] = curve(run.pop("dir"), run.pop("init"), heldout_ready.result())
-        say(f"{run['method']} seed {run['seed']}: held-out CE {run['curve'][-1]['ce']:.4f}")
+        say(f"{group} {run['method']} seed {run['seed']}: held-out CE {run['curve'][-1]['ce']:.4f}")
         return run
 
-    chosen = [m for m in METHODS if m["name"] in plan["methods"]]
+    # (method, initial student's seed, data seed, budget, group); the teacher-budget runs: one student, data seed 0
+    todo = [(m, first, 0, long, "teacher_budget") for m in METHODS if m["name"] in plan["long_methods"]]
+    todo += [(m, s, s, short, "students") for m in METHODS if m["name"] in plan["methods"] for s in plan["seeds"]]
+    todo.sort(key=lambda job: (job[0]["alpha"] > 0, job[3] is short))  # stable: SFT first, long runs first
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        teacher_f, reference_f = pool.submit(teacher_job), pool.submit(reference_job)
-        # SFT runs first: they can train while the teacher does; the KD runs wait for it.
-        order = sorted(((m, s) for m in chosen for s in plan["seeds"]), key=lambda ms: ms[0]["alpha"] > 0)
-        trained = [pool.submit(student_job, m, s) for m, s in order]
-        runs = [pool.submit(scored, f) for f in trained]
-        runs = [f.result() for f in runs]
+        teacher_f = pool.submit(teacher_job)
+        trained = [(job[4], pool.submit(student_job, *job)) for job in todo]
+        scored_runs = [(group, pool.submit(scored, group, f)) for group, f in trained]
+        runs = {group: [f.result() for g, f in scored_runs if g == group] for group in ("students", "teacher_budget")}
         heldout = heldout_ready.result()
-        teacher_seconds, reference_seconds = teacher_f.result(), reference_f.result()
-        info = {"teacher": {"seconds": teacher_seconds, "params": n_params(teacher_dir),
+        reference = next(r for r in runs["teacher_budget"] if r["alpha"] == 0)
+        info = {"teacher": {"seconds": teacher_f.result(), "params": n_params(teacher_dir),
                             "heldout": score(teacher_dir, plan["teacher_steps"], heldout)},
-                "reference_student": {"seconds": reference_seconds,
-                                      "heldout": score(work / "reference_student", plan["teacher_steps"], heldout)}}
-    return runs, info
+                "reference_student": {"seconds": reference["seconds"], "heldout": reference["curve"][-1]}}
+    return runs["students"], runs["teacher_budget"], info
 
 
 def settings(plan: dict, paths: dict, n_train: int, n_heldout: int) -> dict:

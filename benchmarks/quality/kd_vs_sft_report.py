@@ -47,13 +47,13 @@ def _label(name: str, entry: dict) -> str:
     return f"{entry['divergence']} α={entry['alpha']:g}" + (" (+CE)" if entry["alpha"] < 1 else "")
 
 
-def table(report: dict) -> list[str]:
+def table(summary: dict) -> list[str]:
     rows = [
         "| method | held-out CE ↓ | perplexity ↓ | CE − SFT, paired [min, max] | KL(teacher‖student) ↓ | "
         "top-1 agreement ↑ |",
         "|---|---|---|---|---|---|",
     ]
-    for name, entry in report["summary"].items():
+    for name, entry in summary.items():
         f, delta = entry["final"], entry.get("ce_minus_sft")
         paired = "—" if delta is None else (
             f"{delta['mean']:+.3f} [{delta['min']:+.3f}, {delta['max']:+.3f}] "
@@ -81,6 +81,10 @@ def findings(report: dict) -> list[str]:
         worse = [_label(n, e) for n, e in kd.items() if e["ce_minus_sft"]["min"] > 0]
         lines.append(f"- Lower held-out CE than SFT only on every seed: {', '.join(better) or 'none'}.")
         lines.append(f"- Higher held-out CE than SFT only on every seed: {', '.join(worse) or 'none'}.")
+    long = {n: e for n, e in report["teacher_budget"]["summary"].items() if "ce_minus_sft" in e}
+    if long:
+        lines.append("- At the teacher's budget, held-out CE minus SFT only's: " + ", ".join(
+            f"{_label(n, e)} {e['ce_minus_sft']['mean']:+.3f}" for n, e in long.items()) + " (one seed).")
     return lines
 
 
@@ -107,6 +111,10 @@ def markdown(report: dict) -> str:
         f"{len(s['seeds'])} seed(s); CE − SFT is each seed's CE minus the SFT-only student's of the same seed.",
         "",
     ]
+    long = report["teacher_budget"]["summary"]
+    middle = ["", f"At the teacher's own budget ({s['teacher_steps']} steps × batch {s['teacher_batch']}, the "
+              f"initial student of seed {s['seeds'][0]}, one data order): the SFT-only row is the student size "
+              "trained alone like the teacher.", "", *table(long)] if long else []
     machine = report["machine"]
     tail = ["", *findings(report), "",
             f"Whole experiment: {report['wall_seconds'] / 60:.1f} min wall, {machine['cpu_seconds'] / 60:.1f} CPU-min, "
@@ -114,7 +122,7 @@ def markdown(report: dict) -> str:
             f"{machine['load_average_1_5_15'][2]:.1f} over the last 15 min). Curves: `kd_vs_sft.png`; every run: "
             "`kd_vs_sft.json`.",
             ""]
-    return "\n".join(head + table(report) + tail)
+    return "\n".join(head + table(report["summary"]) + middle + tail)
 
 
 def plot(report: dict, path: Path) -> None:
@@ -124,11 +132,17 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("ce", "held-out cross-entropy (nats/token)"), ("kl_to_teacher", "held-out KL(teacher‖student)"),
+    panels = [("ce", "held-out cross-entropy (nats/token), students' budget"),
+              ("kl_to_teacher", "held-out KL(teacher‖student)"),
               ("top1_agreement", "held-out top-1 agreement with teacher")]
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5.2))
-    for ax, (key, title) in zip(axes, panels):
-        for name, entry in report["summary"].items():
+    fig, grid = plt.subplots(2, 2, figsize=(14, 10))
+    axes = grid.flatten()
+    s = report["settings"]
+    long_title = f"held-out cross-entropy, teacher's budget ({s['teacher_steps']} × {s['teacher_batch']}, 1 seed)"
+    jobs = [(ax, key, title, report["summary"]) for ax, (key, title) in zip(axes, panels)]
+    jobs.append((axes[3], "ce", long_title, report["teacher_budget"]["summary"]))
+    for ax, key, title, summary in jobs:
+        for name, entry in summary.items():
             points = entry["curve"][1:]  # step 0 (untrained) would flatten the interesting range
             steps = [p["step"] for p in points]
             color = COLORS["sft" if name == "sft" else entry["divergence"]]
@@ -140,13 +154,15 @@ def plot(report: dict, path: Path) -> None:
         ax.set_title(title)
         ax.set_xlabel("student training step (the untrained step 0 is left out)")
         ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8, loc="upper right")  # the methods, before the reference lines join the CE panels
     teacher, ref = report["teacher"]["heldout"], report["reference_student"]["heldout"]
-    axes[0].axhline(teacher["ce"], color="gray", ls=":", lw=1.5, label=f"teacher ({teacher['ce']:.2f})")
+    lines = [ax.axhline(teacher["ce"], color="gray", ls=":", lw=1.5, label=f"teacher ({teacher['ce']:.2f})")
+             for ax in (axes[0], axes[3])]
     if math.isfinite(ref["ce"]):
-        axes[0].axhline(ref["ce"], color="gray", ls="-.", lw=1.2,
-                        label=f"student alone, teacher's budget ({ref['ce']:.2f})")
-    axes[0].legend(fontsize=8)
-    s = report["settings"]
+        lines.insert(1, axes[0].axhline(ref["ce"], color="gray", ls="-.", lw=1.2,
+                                        label=f"student alone, teacher's budget ({ref['ce']:.2f})"))
+    axes[0].legend(handles=lines[:-1], fontsize=8, loc="lower left")
+    axes[3].legend(fontsize=8, loc="lower left")
     sizes = f"students ({s['student_params'] / 1e6:.2f}M) vs a {report['teacher']['params'] / 1e6:.2f}M teacher"
     fig.suptitle(f"KD vs SFT only, {sizes}: mean over seeds {s['seeds']}, band = min-max", fontsize=11)
     fig.tight_layout()
