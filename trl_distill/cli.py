@@ -4,6 +4,8 @@
         --output_dir OUT [--config recipe.yaml] [--divergence reverse_kl ...] [--use_peft --lora_r 16 ...]
     trl-distill merge --adapter DIR --output DIR     # a LoRA student's adapter merged into its base model
     trl-distill plan --student S --teacher T --nodes 2 --gpus_per_node 8 --gpu_memory_gb 80   # memory per GPU
+    trl-distill cache-teacher --teacher_cache DIR --cache_top_k 64 [the training flags]   # teacher top-k, once
+    trl-distill --teacher_cache DIR [the training flags]            # then train students without the teacher
 
 Runs under `accelerate launch --config_file configs/...yaml`, `torchrun` and plain `python -m trl_distill`.
 Every `DistillationConfig` (so `SFTConfig` and `TrainingArguments`) field is a flag, as are TRL's
@@ -12,11 +14,12 @@ Every `DistillationConfig` (so `SFTConfig` and `TrainingArguments`) field is a f
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 
 # `trl-distill NAME ...`: tools beside training, each a module with `main(argv)`
-SUBCOMMANDS = {"merge": "trl_distill.merge", "plan": "trl_distill.plan"}
+SUBCOMMANDS = {"merge": "trl_distill.merge", "plan": "trl_distill.plan", "cache-teacher": "trl_distill.cache.cli"}
 
 
 def make_parser():
@@ -33,20 +36,31 @@ def validate(script_args, training_args, model_args) -> None:
 
     if not model_args.model_name_or_path:
         raise ValueError("Pass the student with --model_name_or_path.")
-    if not training_args.teacher_model_name_or_path:
-        raise ValueError("Pass the teacher with --teacher_model_name_or_path.")
+    if not training_args.teacher_model_name_or_path and not training_args.teacher_cache:
+        raise ValueError("Pass the teacher with --teacher_model_name_or_path (or a cache of it with --teacher_cache).")
     if training_args.teacher_model_name_or_path == "self" and not model_args.use_peft:
         raise ValueError("--teacher_model_name_or_path self (self-distillation) needs a LoRA student: add --use_peft.")
     if model_args.load_in_4bit or model_args.load_in_8bit:
         refuse_quantization_without_gpu({"load_in_4bit": True}, "--load_in_4bit/--load_in_8bit")
     check_model_path(model_args.model_name_or_path, "--model_name_or_path")
-    if training_args.teacher_model_name_or_path != "self":
+    if training_args.teacher_cache:
+        pass  # the teacher is not loaded: its weights need not exist here
+    elif training_args.teacher_model_name_or_path != "self":
         check_model_path(training_args.teacher_model_name_or_path, "--teacher_model_name_or_path")
     if not script_args.dataset_name:
         raise ValueError("Pass a dataset with --dataset_name (a hub id, a .jsonl/.json/.parquet/.csv file or a dir).")
 
 
 def run(script_args, training_args, model_args) -> None:
+    trainer = build_trainer(script_args, training_args, model_args)
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    if trainer.accelerator.is_main_process:  # global rank 0, the one that wrote it
+        print(f"Distilled student saved to {training_args.output_dir}")
+
+
+def build_trainer(script_args, training_args, model_args):
+    """The `DistillationTrainer` the command line describes: data loaded and checked, student and PEFT set up."""
     from trl import get_peft_config, get_quantization_config
 
     from .data import check_format, load_dataset_any
@@ -76,17 +90,13 @@ def run(script_args, training_args, model_args) -> None:
     if quantization_config is not None:  # QLoRA, on a GPU (validate() refused it without one)
         model_init_kwargs["quantization_config"] = quantization_config
     training_args.model_init_kwargs = {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
-    trainer = DistillationTrainer(
+    return DistillationTrainer(
         model_args.model_name_or_path,
         args=training_args,
         train_dataset=train,
         eval_dataset=evaluation,
         peft_config=get_peft_config(model_args),
     )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model(training_args.output_dir)
-    if trainer.accelerator.is_main_process:  # global rank 0, the one that wrote it
-        print(f"Distilled student saved to {training_args.output_dir}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -95,9 +105,16 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] in SUBCOMMANDS:
         return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
     parser = make_parser()
-    try:
+    with errors_as_messages():
         script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
         run(script_args, training_args, model_args)
+
+
+@contextlib.contextmanager
+def errors_as_messages():
+    """Bad input ends the command with one line, `trl-distill: error: ...`, and exit status 2."""
+    try:
+        yield
     except (ValueError, FileNotFoundError, TypeError) as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         print(f"trl-distill: error: {message}", file=sys.stderr)

@@ -36,6 +36,8 @@ class DistillationConfig(SFTConfig):
 
     divergence: one of ``forward_kl``, ``reverse_kl``, ``jsd``, ``skew_forward_kl``, ``skew_reverse_kl``,
         ``tvd``. (`loss_type` stays SFT's own field.)
+    teacher_cache: train from a cache of the teacher's top-k distribution (`trl-distill cache-teacher`) instead of
+        a live teacher.
     temperature, alpha, beta, skew_alpha, kd_temperature_scaling, loss_chunk_size: see each field's help.
     """
 
@@ -63,6 +65,15 @@ class DistillationConfig(SFTConfig):
             "filled from these arguments, its ZeRO-3 bucket sizes from the teacher's hidden size, and optimizer or "
             "scheduler blocks are dropped. When absent and the student uses DeepSpeed, a ZeRO-3 inference config "
             "is derived, so each rank holds 1/N of the teacher."
+        },
+    )
+    teacher_cache: str | None = field(
+        default=None,
+        metadata={
+            "help": "A teacher cache directory written by `trl-distill cache-teacher` (the teacher's top-k "
+            "log-probabilities per loss token). Training then loads no teacher at all; the divergence is computed on "
+            "the top-k tokens plus the tail mass (see `trl_distill.sparse_losses`). For `cache-teacher` itself: "
+            "where the cache is written."
         },
     )
     divergence: str = field(
@@ -147,6 +158,15 @@ class DistillationConfig(SFTConfig):
                 "auto_find_batch_size is not supported with DeepSpeed here: retrying a smaller batch would rebuild "
                 "the student's engine but not the teacher's. Set per_device_train_batch_size yourself."
             )
+        if self.teacher_cache is not None and (self.lmbda > 0 or self.seq_kd):
+            raise ValueError(
+                "A teacher cache holds the teacher's distribution on the dataset's completions only; on-policy "
+                "(lmbda > 0) and sequence-level (seq_kd) distillation need the live teacher. Drop --teacher_cache or "
+                "set lmbda=0 and seq_kd=False."
+            )
+        if self.teacher_cache is not None and (self.packing or self.padding_free):
+            raise ValueError("Training from a teacher cache does not support packing / padding_free yet: the cache "
+                             "holds one row per unpacked example. Set packing=False and padding_free=False.")
         for name in ("model_init_kwargs", "teacher_model_init_kwargs"):
             refuse_quantization_without_gpu(getattr(self, name), name)
         self.deepspeed = _lenient_deepspeed(self.deepspeed)

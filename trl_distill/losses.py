@@ -223,9 +223,34 @@ def _backprop(g: Tensor, hs: Tensor, weight: Tensor, gh: Tensor | None, gw: Tens
         gb.add_(g.sum(0))
 
 
+class DenseTeacherSignal:
+    """The teacher side of the chunked loss from its hidden states: log-probs ``[c, vocab]`` one chunk at a time.
+
+    ``hidden`` ``[n, H_t]`` holds the selected rows only; the lm_head's first ``vocab`` rows are used."""
+
+    closed_form = True  # the chunk is full log-probs: the forward KL gradient has a closed form
+
+    def __init__(self, hidden, weight, bias, vocab, scale, softcap, temperature, compute):
+        self.hidden, self.weight, self.vocab = hidden, weight[:vocab], vocab
+        self.bias = None if bias is None else bias[:vocab]
+        self.scale, self.softcap, self.temperature, self.compute = scale, softcap, temperature, compute
+
+    def chunk(self, rows: slice) -> Tensor:
+        logits = F.linear(self.hidden[rows], self.weight, self.bias).to(self.compute)
+        return F.log_softmax(_div(_finalise_logits(logits, self.scale, self.softcap), self.temperature), dim=-1)
+
+    @staticmethod
+    def per_token(student_logp: Tensor, teacher_logp: Tensor, cfg: dict) -> Tensor:
+        return per_token_divergence(
+            student_logp, teacher_logp, cfg["loss_type"], beta=cfg["beta"], skew_alpha=cfg["skew_alpha"]
+        )
+
+
 class _ChunkedDistillation(torch.autograd.Function):
     """Fused ``hidden @ W.T`` -> divergence (+ CE); gradients are computed chunk by chunk inside ``forward``.
 
+    The teacher side is a signal object (`DenseTeacherSignal`, or the cached top-k one of `sparse_losses`) giving,
+    per chunk of the selected rows, what its ``per_token`` divergence compares with the student's log-probs.
     Outputs the *sums* ``(kd_sum, ce_sum)`` over the selected rows; normalisation happens outside.
     """
 
@@ -235,16 +260,13 @@ class _ChunkedDistillation(torch.autograd.Function):
         s_hidden: Tensor,  # [N, H_s]
         s_weight: Tensor,  # [V_s, H_s]
         s_bias: Tensor | None,  # [V_s]
-        t_hidden: Tensor,  # [N, H_t], detached
-        t_weight: Tensor,  # [V_t, H_t], detached
-        t_bias: Tensor | None,  # [V_t], detached
         rows: Tensor | None,  # [n] int64 indices of the rows carrying loss (None = all)
         labels: Tensor | None,  # [n] int64 targets for CE
+        teacher,  # a teacher signal over the n selected rows, never differentiated
         cfg: dict,
     ) -> tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)
         h_s = s_hidden if rows is None else s_hidden.index_select(0, rows)
-        h_t = t_hidden if rows is None else t_hidden.index_select(0, rows)
         n, vocab, temperature = h_s.shape[0], cfg["vocab_size"], cfg["temperature"]
         compute = torch.promote_types(h_s.dtype, torch.float32)
         # needs_input_grad ignores the caller's grad mode; under torch.no_grad() (eval) skip all grad work.
@@ -255,7 +277,8 @@ class _ChunkedDistillation(torch.autograd.Function):
         kd_grad, ce_grad = cfg["kd_grad"], cfg["ce_grad"] and has_ce
         want_grad = (need_h or need_w or need_b) and (kd_grad or ce_grad)
         w_dtype = s_weight.dtype
-        closed_form = want_grad and kd_grad and cfg["loss_type"] == "forward_kl"  # d kd / d logits in closed form
+        # d kd / d logits in closed form
+        closed_form = want_grad and kd_grad and cfg["loss_type"] == "forward_kl" and teacher.closed_form
         g_cols = s_weight.shape[0]
 
         # Per-row grads are written once (rows never repeat); weight/bias grads are accumulated in >= fp32.
@@ -269,20 +292,17 @@ class _ChunkedDistillation(torch.autograd.Function):
         kd_sum = h_s.new_zeros((), dtype=compute)
         ce_sum = h_s.new_zeros((), dtype=compute)
 
-        t_w = t_weight[:vocab]
-        t_b = None if t_bias is None else t_bias[:vocab]
         for start in range(0, n, cfg["chunk_size"]):
-            hs, ht = h_s[start : start + cfg["chunk_size"]], h_t[start : start + cfg["chunk_size"]]
-            t_logits = _finalise_logits(F.linear(ht, t_w, t_b).to(compute), cfg["t_scale"], cfg["t_softcap"])
-            t_logp = F.log_softmax(_div(t_logits, temperature), dim=-1)
-            del t_logits
+            rows_c = slice(start, start + cfg["chunk_size"])
+            hs = h_s[rows_c]
+            signal = teacher.chunk(rows_c)
             raw = F.linear(hs, s_weight, s_bias).to(compute)  # [c, V_s], made a leaf below
             with torch.set_grad_enabled(want_grad):
                 raw.requires_grad_(want_grad)
                 logits = _finalise_logits(raw, cfg["s_scale"], cfg["s_softcap"])
                 if closed_form:
                     with torch.no_grad():
-                        kd, g = _forward_kl_closed_form(logits[:, :vocab], t_logp, temperature)
+                        kd, g = _forward_kl_closed_form(logits[:, :vocab], signal, temperature)
                         g = g if vocab == g_cols else F.pad(g, (0, g_cols - vocab))  # padded columns: 0
                     if logits is not raw:  # chain through scale/softcap
                         (g,) = torch.autograd.grad(logits, raw, g, retain_graph=ce_grad)
@@ -290,21 +310,18 @@ class _ChunkedDistillation(torch.autograd.Function):
                 else:
                     with torch.set_grad_enabled(want_grad and kd_grad):
                         s_logp = F.log_softmax(_div(logits[:, :vocab], temperature), dim=-1)
-                        kd = per_token_divergence(
-                            s_logp, t_logp, cfg["loss_type"], beta=cfg["beta"], skew_alpha=cfg["skew_alpha"]
-                        ).sum()
+                        kd = teacher.per_token(s_logp, signal, cfg).sum()
                     outputs = [(kd, gh_kd, gw_kd, gb_kd)] if want_grad and kd_grad else []
-                del t_logp
+                del signal
                 if has_ce:
                     with torch.set_grad_enabled(want_grad and ce_grad):
-                        ce = F.cross_entropy(logits, labels[start : start + hs.shape[0]], reduction="sum")
+                        ce = F.cross_entropy(logits, labels[rows_c], reduction="sum")
                     if want_grad and ce_grad:
                         outputs.append((ce, gh_ce, gw_ce, gb_ce))
             kd_sum += kd.detach()
             ce_sum += ce.detach() if has_ce else 0.0
             if not want_grad:
                 continue
-            rows_c = slice(start, start + hs.shape[0])
             if closed_form:
                 _backprop(g, hs, s_weight, None if gh_kd is None else gh_kd[rows_c], gw_kd, gb_kd)
                 del g
@@ -338,7 +355,7 @@ class _ChunkedDistillation(torch.autograd.Function):
         grad_h = combine(gh_kd, gh_ce)
         if grad_h is not None and rows is not None:
             grad_h = grad_h.new_zeros(ctx.hidden_shape).index_copy_(0, rows, grad_h)
-        return grad_h, combine(gw_kd, gw_ce), combine(gb_kd, gb_ce), None, None, None, None, None, None
+        return grad_h, combine(gw_kd, gw_ce), combine(gb_kd, gb_ce), None, None, None, None
 
 
 def chunked_distillation_loss(
@@ -421,17 +438,18 @@ def chunked_distillation_loss(
         "vocab_size": vocab_size,
         "chunk_size": min(chunk_size, max(n, 1)),
         "s_scale": student_logit_scale,
-        "t_scale": teacher_logit_scale,
         "s_softcap": student_softcap,
-        "t_softcap": teacher_softcap,
         "kd_grad": kd_grad,
         "ce_grad": ce_grad,
     }
+    t_rows = t_flat if rows is None else t_flat.index_select(0, rows)
     t_bias = None if teacher_lm_head_bias is None else teacher_lm_head_bias.detach()
+    compute = torch.promote_types(s_flat.dtype, torch.float32)
+    teacher = DenseTeacherSignal(t_rows, teacher_lm_head_weight.detach(), t_bias, vocab_size, teacher_logit_scale,
+                                 teacher_softcap, temperature, compute)
     kd_sum, ce_sum = _ChunkedDistillation.apply(
-        s_flat, student_lm_head_weight, student_lm_head_bias, t_flat, teacher_lm_head_weight.detach(), t_bias,
-        rows, labels, cfg,
-    )  # fmt: skip
+        s_flat, student_lm_head_weight, student_lm_head_bias, rows, labels, teacher, cfg
+    )
     kd = _normalise(kd_sum, n, num_items_in_batch)
     ce = _normalise(ce_sum, n, num_items_in_batch) if labels is not None else None
     return DistillationLossOutput(kd, ce)

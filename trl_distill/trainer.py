@@ -15,6 +15,7 @@ from transformers import PreTrainedModel, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import SFTConfig, SFTTrainer
 
+from .cache.reader import ROW, TeacherCache, pop_signal, train_from_cache
 from .checkpoints import mark_complete, resolve_resume
 from .config import DistillationConfig
 from .data import resolve_assistant_only_loss
@@ -23,6 +24,7 @@ from .losses import chunked_distillation_loss
 from .modeling import LMHead, add_fused_distillation_forward, gathered, hidden_size
 from .on_policy import DATASET, completion_source, sample_completions
 from .on_policy import STUDENT as STUDENT_SOURCE
+from .sparse_losses import sparse_distillation_loss
 from .teacher import SELF, STUDENT, TEACHER, SelfTeacher, Teacher
 from .validation import check_dataset_not_empty, check_teacher_finite, check_tokenizers_match
 
@@ -81,7 +83,16 @@ class DistillationTrainer(SFTTrainer):
         elif not isinstance(args, DistillationConfig):
             args = _as_distillation_config(args)
         teacher_model = teacher_model if teacher_model is not None else args.teacher_model_name_or_path
-        if teacher_model is None:
+        self.teacher_cache = TeacherCache(args.teacher_cache) if args.teacher_cache is not None else None
+        if self.teacher_cache is not None:
+            if teacher_model is not None:
+                logger.warning("Training from the teacher cache %s: the teacher %s is not loaded.",
+                               args.teacher_cache, teacher_model if isinstance(teacher_model, str) else "model")
+            if eval_dataset is not None:
+                raise ValueError("Evaluation needs the teacher's distribution on the eval split, which the teacher "
+                                 "cache does not hold: pass no eval_dataset (--eval_strategy no) with teacher_cache.")
+            teacher_model = None
+        elif teacher_model is None:
             raise ValueError("No teacher: pass `teacher_model=` or set `teacher_model_name_or_path` in the config.")
         check_dataset_not_empty(train_dataset, "train", "given")
         self._self_distillation = isinstance(teacher_model, str) and teacher_model == SELF
@@ -90,7 +101,9 @@ class DistillationTrainer(SFTTrainer):
                 "teacher 'self' (self-distillation) uses the student's base model with its LoRA adapters disabled, so "
                 "it needs a PEFT student: pass `peft_config=` (CLI: --use_peft)."
             )
-        self.teacher = None if self._self_distillation else Teacher(teacher_model, args.teacher_model_init_kwargs)
+        self.teacher = None if self._self_distillation or teacher_model is None else Teacher(
+            teacher_model, args.teacher_model_init_kwargs
+        )
         if args.assistant_only_loss is None:
             processing_class = processing_class or _student_tokenizer(model, train_dataset)
             args.assistant_only_loss = resolve_assistant_only_loss(None, train_dataset, processing_class)
@@ -121,10 +134,13 @@ class DistillationTrainer(SFTTrainer):
             if not hasattr(self.model, "disable_adapter"):
                 raise ValueError("teacher 'self' needs a PEFT student; the student is not a PeftModel.")
             self.teacher = SelfTeacher(self.model)
-        elif "dtype" not in self.teacher.init_kwargs and "torch_dtype" not in self.teacher.init_kwargs:
+        elif self.teacher is not None and not {"dtype", "torch_dtype"} & set(self.teacher.init_kwargs):
             self.teacher.init_kwargs["dtype"] = student.dtype
-        self.vocab_size = self._shared_vocab_size(student.config, self.teacher.config, self.processing_class)
-        if not self._self_distillation:
+        teacher_config = student.config if self.teacher is None else self.teacher.config
+        self.vocab_size = self._shared_vocab_size(student.config, teacher_config, self.processing_class)
+        if self.teacher_cache is not None:
+            train_from_cache(self, self.teacher_cache)
+        elif not self._self_distillation:
             check_tokenizers_match(self.processing_class, self.teacher.source)
         try:
             check_dataset_not_empty(self.train_dataset, "train", "prepared", args.max_length)
@@ -152,9 +168,9 @@ class DistillationTrainer(SFTTrainer):
         """Give the Accelerator two plugins, {"student": the Trainer's, "teacher": ZeRO-3 inference}."""
         accelerator_args = super()._build_accelerator_args(**kwargs)
         student_plugin = accelerator_args.get("deepspeed_plugin")
-        if self._self_distillation:
+        if self._self_distillation or self.teacher is None:
             if self.args.teacher_deepspeed is not None:
-                logger.warning("Ignoring `teacher_deepspeed`: a 'self' teacher runs inside the student's engine.")
+                logger.warning("Ignoring `teacher_deepspeed`: the teacher is 'self' or a cache; it has no engine.")
             return accelerator_args
         if student_plugin is None:
             if self.args.teacher_deepspeed is not None:
@@ -207,7 +223,13 @@ class DistillationTrainer(SFTTrainer):
                 print(f"trl_distill: {name} DeepSpeed config: {json.dumps(plugin.deepspeed_config)}", flush=True)
 
     def _prepare_teacher(self) -> None:
-        self.teacher.prepare(self.accelerator, self.args.device)
+        if self.teacher is not None:  # None: training from a teacher cache
+            self.teacher.prepare(self.accelerator, self.args.device)
+
+    def _set_signature_columns_if_needed(self):
+        super()._set_signature_columns_if_needed()
+        if self.teacher_cache is not None and ROW not in self._signature_columns:
+            self._signature_columns = [*self._signature_columns, ROW]  # keep each row's index into the cache
 
     def get_train_dataloader(self):
         dataloader = super().get_train_dataloader()
@@ -300,6 +322,7 @@ class DistillationTrainer(SFTTrainer):
         """``alpha * KD + (1 - alpha) * CE`` over completion tokens, normalised like the HF Trainer's loss."""
         args = self.args
         labels = inputs["labels"]
+        cached = pop_signal(inputs)
         model_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
         if "shift_labels" in inputs:
             target = inputs["shift_labels"]
@@ -308,13 +331,15 @@ class DistillationTrainer(SFTTrainer):
             target = labels[:, 1:]
             trim = slice(None, -1)
         mask = target != -100
-        # Every rank runs every teacher forward, even with no loss token: ZeRO-3 gathers are collective.
-        teacher_hidden = self.teacher.last_hidden_state(model_inputs)[:, trim]
-        check_teacher_finite(teacher_hidden, self.accelerator, self.state.global_step + 1)
-        loss_fn = partial(
-            self._fused_loss, teacher_hidden=teacher_hidden, target=target, mask=mask,
-            num_items_in_batch=num_items_in_batch,
-        )
+        if cached is not None:  # the teacher's top-k from the cache; no teacher runs
+            loss_fn = partial(self._fused_loss, teacher_hidden=None, cached=cached, target=target, mask=mask,
+                              num_items_in_batch=num_items_in_batch)
+        else:
+            # Every rank runs every teacher forward, even with no loss token: ZeRO-3 gathers are collective.
+            teacher_hidden = self.teacher.last_hidden_state(model_inputs)[:, trim]
+            check_teacher_finite(teacher_hidden, self.accelerator, self.state.global_step + 1)
+            loss_fn = partial(self._fused_loss, teacher_hidden=teacher_hidden, cached=None, target=target, mask=mask,
+                              num_items_in_batch=num_items_in_batch)
         kd, ce = model(**model_inputs, fused_distillation=loss_fn)
         if args.kd_temperature_scaling:
             kd = kd * args.temperature**2
@@ -331,9 +356,21 @@ class DistillationTrainer(SFTTrainer):
             return loss, {"kd_loss": kd.detach(), "ce_loss": ce.detach()}
         return loss
 
-    def _fused_loss(self, student_hidden, student, *, teacher_hidden, target, mask, num_items_in_batch):
-        """Runs inside the student's forward: both lm_heads, a chunk of completion rows at a time."""
+    def _fused_loss(self, student_hidden, student, *, teacher_hidden, cached, target, mask, num_items_in_batch):
+        """Runs inside the student's forward: both lm_heads (or the student's and the cached teacher signal), a
+        chunk of completion rows at a time."""
         args = self.args
+        if cached is not None:
+            s_head = LMHead.of(student)
+            with gathered(s_head.weight, s_head.bias):
+                return sparse_distillation_loss(
+                    student_hidden[:, : target.shape[1]], s_head.weight, cached, mask, args.divergence,
+                    labels=target.clamp(min=0), student_lm_head_bias=s_head.bias, beta=args.beta,
+                    skew_alpha=args.skew_alpha, temperature=args.temperature, num_items_in_batch=num_items_in_batch,
+                    chunk_size=args.loss_chunk_size, vocab_size=self.vocab_size,
+                    student_logit_scale=s_head.logit_scale, student_softcap=s_head.softcap,
+                    kd_grad=args.alpha > 0, ce_grad=args.alpha < 1,
+                )
         s_head, t_head = LMHead.of(student), self.teacher.lm_head()
         with gathered(s_head.weight, s_head.bias, t_head.weight, t_head.bias):
             return chunked_distillation_loss(

@@ -1,0 +1,27 @@
+"""`trl-distill cache-teacher` through the CLI's own code, except that rank 0 SIGKILLs itself (no cleanup) once
+shard KILL_AFTER is on disk: a crash to resume from.
+
+    torchrun --nproc_per_node 2 tests/scripts/cache_worker.py KILL_AFTER [cache-teacher flags]
+"""
+
+import os
+import signal
+import sys
+
+import trl_distill.cache.writer as writer
+from trl_distill.cache.cli import main
+
+kill_after = int(sys.argv[1])
+write = writer.write_teacher_cache
+
+
+def write_then_die(*args, **kwargs):
+    def on_shard(index: int) -> None:
+        if index == kill_after and int(os.environ.get("RANK", "0")) == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return write(*args, on_shard=on_shard, **kwargs)
+
+
+writer.write_teacher_cache = write_then_die
+main(sys.argv[2:])

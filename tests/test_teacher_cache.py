@@ -1,0 +1,262 @@
+"""Offline teacher signal: the sparse losses, `cache-teacher` (resumable, byte-identical) and training from a cache."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoTokenizer
+
+from trl_distill import DistillationConfig, DistillationTrainer
+from trl_distill.cache import TeacherCache, write_teacher_cache
+from trl_distill.losses import LOSS_TYPES, divergence
+from trl_distill.sparse_losses import sparse_distillation_loss, top_k_teacher_signal
+from trl_distill.testing import launch, logged, synthetic_prompt_completion, tiny_run_settings
+
+ROOT = Path(__file__).parent.parent
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+# ---- The sparse losses ----
+
+def test_top_k_signal_keeps_the_largest_and_the_exact_tail_mass():
+    logits = torch.randn(5, 40, dtype=torch.float64) * 3
+    ids, top, tail = top_k_teacher_signal(logits, 6, temperature=2.0)
+    logp = F.log_softmax(logits.float() / 2.0, dim=-1)
+    assert torch.equal(ids, logp.topk(6, dim=-1).indices)
+    torch.testing.assert_close(top, logp.gather(1, ids))
+    torch.testing.assert_close(tail.exp(), 1 - top.exp().sum(-1), atol=1e-6, rtol=1e-5)
+    assert torch.isinf(top_k_teacher_signal(logits, 40).tail_log_prob).all()  # k = V: no tail
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_k_equal_vocabulary_equals_the_dense_loss_and_its_gradients(loss_type, temperature):
+    torch.manual_seed(0)
+    n, h, v = 12, 8, 30
+    hidden, weight = torch.randn(n, h, requires_grad=True), torch.randn(v, h, requires_grad=True)
+    teacher_logits = torch.randn(n, v) * 2
+    labels = torch.randint(0, v, (n,))
+    kwargs = dict(loss_type=loss_type, temperature=temperature, beta=0.3, skew_alpha=0.2)
+    s_logits = hidden @ weight.T
+    dense_kd = divergence(s_logits, teacher_logits, **kwargs)
+    dense = dense_kd * 0.7 + 0.3 * F.cross_entropy(s_logits, labels)
+    dense_grads = torch.autograd.grad(dense, (hidden, weight))
+    signal = top_k_teacher_signal(teacher_logits, v, temperature)
+    sparse = sparse_distillation_loss(hidden, weight, signal, labels=labels, chunk_size=5, **kwargs)
+    torch.testing.assert_close(sparse.kd, dense_kd, atol=1e-5, rtol=1e-5)
+    sparse_grads = torch.autograd.grad(sparse.kd * 0.7 + 0.3 * sparse.ce, (hidden, weight))
+    for got, want in zip(sparse_grads, dense_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_top_k_is_a_lower_bound_that_tightens_with_k(loss_type):
+    """Every divergence here is an f-divergence: merging the tail into one bucket can only lower it."""
+    torch.manual_seed(1)
+    n, v = 16, 64
+    student, teacher = torch.randn(n, v), torch.randn(n, v) * 3
+    dense = divergence(student, teacher, loss_type).item()
+    eye = torch.eye(v)
+    values = [sparse_distillation_loss(student, eye, top_k_teacher_signal(teacher, k), loss_type=loss_type).kd.item()
+              for k in (1, 8, 32, 64)]
+    assert all(0 < a <= b + 1e-6 for a, b in zip(values, values[1:], strict=False)), values
+    assert values[-1] == pytest.approx(dense, rel=1e-5)
+    assert values[0] < dense
+
+
+def test_forward_kl_gradient_is_exact_on_the_top_k_and_spreads_the_tail_like_the_student():
+    torch.manual_seed(2)
+    n, v, k, temperature = 6, 20, 5, 2.0
+    logits = torch.randn(n, v, requires_grad=True)
+    teacher = torch.randn(n, v) * 2
+    signal = top_k_teacher_signal(teacher, k, temperature)
+    loss = sparse_distillation_loss(logits, torch.eye(v), signal, temperature=temperature).kd
+    (grad,) = torch.autograd.grad(loss, logits)
+    q = F.softmax(logits.detach() / temperature, dim=-1)
+    p = F.softmax(teacher / temperature, dim=-1)
+    top = torch.zeros(n, v, dtype=torch.bool).scatter_(1, signal.ids, True)
+    q_tail = (q * ~top).sum(-1, keepdim=True)
+    r = signal.tail_log_prob.exp().unsqueeze(1)
+    want = torch.where(top, q - p, q - r * q / q_tail) / (temperature * n)
+    torch.testing.assert_close(grad, want, atol=1e-6, rtol=1e-5)
+
+
+# ---- One process: cache with k = V, then training from it equals the online run ----
+
+def make_config(tmp_path, name, **overrides) -> DistillationConfig:
+    kwargs = tiny_run_settings(output_dir=str(tmp_path / name), per_device_train_batch_size=4, save_strategy="no",
+                               use_cpu=True, max_steps=4)
+    kwargs.update(overrides)
+    return DistillationConfig(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def full_cache(tiny_pair, tmp_path_factory):
+    """A cache with k = vocabulary size (temperature 2, the tiny runs' setting), written by the Python API."""
+    tmp = tmp_path_factory.mktemp("cache")
+    tok = AutoTokenizer.from_pretrained(tiny_pair["tokenizer"])
+    data = synthetic_prompt_completion(32)
+    online = DistillationTrainer(tiny_pair["student"], args=make_config(
+        tmp, "online", teacher_model_name_or_path=tiny_pair["teacher"]), train_dataset=data, processing_class=tok)
+    manifest = write_teacher_cache(online, str(tmp / "cache"), top_k=len(tok), shard_rows=10, batch_size=3)
+    return {"dir": tmp / "cache", "manifest": manifest, "online": online, "data": data, "tok": tok, "tmp": tmp}
+
+
+def cached_trainer(tiny_pair, full_cache, name, data=None, tok=None, **overrides):
+    args = make_config(full_cache["tmp"], name, teacher_cache=str(full_cache["dir"]), **overrides)
+    return DistillationTrainer(tiny_pair["student"], args=args, train_dataset=data or full_cache["data"],
+                               processing_class=tok or full_cache["tok"])
+
+
+def test_the_cache_holds_every_loss_token_of_every_row(full_cache):
+    manifest, online = full_cache["manifest"], full_cache["online"]
+    assert manifest.complete and manifest.num_shards == 4 and [s["rows"] for s in manifest.shards][-1] == [30, 32]
+    loss_tokens = sum(sum(1 for t in row["labels"][1:] if t != -100) for row in online.train_dataset)
+    assert sum(s["tokens"] for s in manifest.shards) == loss_tokens
+    files = sorted(p.name for p in full_cache["dir"].iterdir())
+    assert files == ["manifest.json"] + [f"shard-{i:05d}.arrow" for i in range(4)]
+    saved = json.loads((full_cache["dir"] / "manifest.json").read_text())
+    assert saved["top_k"] == len(full_cache["tok"]) and saved["temperature"] == 2.0 and saved["max_length"] == 1024
+
+
+def test_cached_loss_equals_the_online_dense_loss_for_each_divergence(tiny_pair, full_cache):
+    online = full_cache["online"]
+    cached = cached_trainer(tiny_pair, full_cache, "cached")
+    assert cached.teacher is None  # no teacher loaded at all
+    rows = range(8)
+    online_batch = online._prepare_inputs(online.data_collator([online.train_dataset[i] for i in rows]))
+    cached_batch = cached._prepare_inputs(cached.data_collator([cached.train_dataset[i] for i in rows]))
+    for name in LOSS_TYPES:
+        online.args.divergence = cached.args.divergence = name
+        want, want_parts = online.compute_loss(online.model, dict(online_batch), return_outputs=True)
+        got, got_parts = cached.compute_loss(cached.model, dict(cached_batch), return_outputs=True)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(got_parts["kd_loss"], want_parts["kd_loss"], atol=1e-5, rtol=1e-5, msg=name)
+        assert want_parts["kd_loss"] > 0
+        want_grads = torch.autograd.grad(want, [p for p in online.model.parameters()])
+        got_grads = torch.autograd.grad(got, [p for p in cached.model.parameters()])
+        for g, w in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4, msg=name)
+    online.args.divergence = cached.args.divergence = "forward_kl"
+
+
+def test_training_from_the_cache_follows_the_online_curve(tiny_pair, full_cache):
+    tmp = full_cache["tmp"]
+    online = DistillationTrainer(tiny_pair["student"], args=make_config(
+        tmp, "online_run", teacher_model_name_or_path=tiny_pair["teacher"]), train_dataset=full_cache["data"],
+        processing_class=full_cache["tok"])
+    online.train()
+    cached = cached_trainer(tiny_pair, full_cache, "cached_run")
+    cached.train()
+    want, got = logged(online.state.log_history), logged(cached.state.log_history)
+    assert list(got) == [1, 2, 3, 4]
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-6), step
+    for key in ("kd_loss", "ce_loss"):
+        assert logged(cached.state.log_history, key) == pytest.approx(logged(online.state.log_history, key), rel=1e-5)
+
+
+def _swapped_ids(tokenizer, first: str, second: str):
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = state["model"]["vocab"]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(state)),
+                                   **{k: getattr(tokenizer, k) for k in ("pad_token", "bos_token", "eos_token")})
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(max_length=64), "was written with max_length 1024; this run uses 64"),
+        (dict(temperature=1.0), "holds the teacher at temperature 2.0; this run uses temperature 1.0"),
+        (dict(data="other"), "was written for other data: 32 prepared rows"),
+        (dict(tok="other"), "was written with another tokenizer"),
+        (dict(eval_dataset=True), "Evaluation needs the teacher's distribution on the eval split"),
+    ],
+)
+def test_a_cache_that_does_not_fit_is_one_clear_error(tiny_pair, full_cache, change, message):
+    kwargs = dict(change)
+    data = synthetic_prompt_completion(32, seed=7) if kwargs.pop("data", None) else None
+    if kwargs.pop("tok", None):  # same size, two ids swapped: the student still fits, the cached ids would not
+        kwargs["tok"] = _swapped_ids(full_cache["tok"], "a", "b")
+    with pytest.raises(ValueError, match=message):
+        if kwargs.pop("eval_dataset", None):
+            args = make_config(full_cache["tmp"], "eval", teacher_cache=str(full_cache["dir"]), eval_strategy="steps")
+            DistillationTrainer(tiny_pair["student"], args=args, train_dataset=full_cache["data"],
+                                eval_dataset=full_cache["data"], processing_class=full_cache["tok"])
+        cached_trainer(tiny_pair, full_cache, "mismatch", data=data, **kwargs)
+
+
+def test_incomplete_or_missing_cache_and_unsupported_modes_are_refused(tiny_pair, full_cache, tmp_path):
+    partial = tmp_path / "partial"
+    shutil.copytree(full_cache["dir"], partial)
+    manifest = json.loads((partial / "manifest.json").read_text())
+    manifest["shards"], manifest["complete"] = manifest["shards"][:2], False
+    (partial / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=r"is incomplete \(2 of 4 shards\)"):
+        TeacherCache(partial).check_fits(full_cache["tok"], len(full_cache["tok"]), 2.0, 1024,
+                                         full_cache["online"].train_dataset)
+    with pytest.raises(ValueError, match="has no manifest.json"):
+        TeacherCache(tmp_path)
+    for bad in (dict(lmbda=0.5), dict(seq_kd=True), dict(packing=True)):
+        with pytest.raises(ValueError, match="teacher cache"):
+            make_config(tmp_path, "bad", teacher_cache=str(full_cache["dir"]), **bad)
+
+
+def test_bytes_per_token_follow_k_and_dtype(full_cache):
+    """ids int32 + log-probs (4 or 2 bytes) per kept token, + the fp32 tail and the row's token ids."""
+    manifest = full_cache["manifest"]
+    tokens = sum(s["tokens"] for s in manifest.shards)
+    per_token = sum(s["bytes"] for s in manifest.shards) / tokens
+    k = manifest.top_k
+    assert 8 * k + 4 < per_token < 8 * k + 4 + 40, per_token  # + input ids, positions and Arrow framing
+
+
+# ---- Two processes, ZeRO-3 teacher: kill and resume `cache-teacher`, then train with no teacher on disk ----
+
+@pytest.mark.distributed
+def test_cache_teacher_resumes_byte_identically_and_training_needs_no_teacher(tiny_pair, tmp_path):
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_pair["teacher"], teacher)
+    data = tmp_path / "data.jsonl"
+    synthetic_prompt_completion(40).to_json(data)
+    common = ["--model_name_or_path", tiny_pair["student"], "--dataset_name", str(data), "--bf16", "false",
+              "--gradient_checkpointing", "false", "--report_to", "none", "--disable_tqdm", "true",
+              "--deepspeed", str(ROOT / "configs/deepspeed/zero2_student.json"), "--max_length", "64"]
+    cache_flags = ["--teacher_model_name_or_path", str(teacher), "--cache_top_k", "16", "--cache_shard_rows", "8",
+                   "--cache_batch_size", "3"]
+
+    def cache_teacher(directory, worker_args=()):
+        if worker_args:  # the CLI's own code, with rank 0 SIGKILLed once a shard is on disk
+            return launch(SCRIPTS / "cache_worker.py", *worker_args, *common, *cache_flags, "--teacher_cache",
+                          str(directory), timeout=240)
+        return launch("trl_distill", "cache-teacher", *common, *cache_flags, "--teacher_cache", str(directory),
+                      launcher_args=("-m",), timeout=240)
+
+    result = cache_teacher(tmp_path / "whole")
+    assert "Teacher cache written to" in result.stdout
+    with pytest.raises(RuntimeError, match="failed"):
+        cache_teacher(tmp_path / "killed", ("1",))  # dies after shard 1 of 5
+    killed = tmp_path / "killed"
+    assert not json.loads((killed / "manifest.json").read_text())["complete"]
+    (killed / "shard-00002.arrow.tmp").write_bytes(b"half a shard")  # a write cut short
+    (killed / "shard-00003.arrow").write_bytes(b"not in the manifest")  # renamed, but the manifest never said so
+    cache_teacher(killed)
+    whole = {p.name: p.read_bytes() for p in (tmp_path / "whole").iterdir()}
+    assert {p.name: p.read_bytes() for p in killed.iterdir()} == whole
+    assert len(whole) == 6  # the manifest and 5 shards
+
+    shutil.rmtree(teacher)  # training from the cache must not need it
+    out = tmp_path / "student"
+    result = launch("trl_distill", *common, "--teacher_cache", str(killed), "--output_dir", str(out), "--max_steps",
+                    "3", "--per_device_train_batch_size", "2", "--logging_steps", "1", "--save_strategy", "no",
+                    launcher_args=("-m",), timeout=240)
+    assert result.stdout.count("'kd_loss'") == 3
+    assert "teacher DeepSpeed config" not in result.stdout  # one engine: the student's
+    assert (out / "model.safetensors").exists()

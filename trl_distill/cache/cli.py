@@ -1,0 +1,61 @@
+"""`trl-distill cache-teacher`: run the teacher once over the training set and store its top-k distribution.
+
+    accelerate launch --config_file configs/accelerate/zero2_student_zero3_teacher.yaml -m trl_distill cache-teacher \
+        --teacher_cache DIR --cache_top_k 64 [every flag of the training command: --config, --dataset_name, ...]
+
+Takes the training command's flags, so the data is prepared exactly as training will prepare it (the student is
+loaded for its tokenizer and that preparation only; it is not run). With DeepSpeed the teacher is ZeRO-3,
+partitioned across the ranks. Run it again after a crash: it continues from the last complete shard.
+Then train with ``--teacher_cache DIR`` instead of ``--teacher_model_name_or_path``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers.trainer_utils import IntervalStrategy
+
+
+@dataclass
+class CacheArguments:
+    cache_top_k: int = field(default=64, metadata={"help": "Teacher token ids (and log-probs) kept per loss token."})
+    cache_shard_rows: int = field(default=1024, metadata={"help": "Training rows per shard file (the unit of resume)."})
+    cache_log_prob_dtype: str = field(
+        default="float32",
+        metadata={"help": "Storage of the top-k log-probs: float32 (exact) or float16 (half the bytes).",
+                  "choices": ["float32", "float16"]},
+    )
+    cache_batch_size: int | None = field(
+        default=None, metadata={"help": "Rows per teacher forward and rank (default: per_device_eval_batch_size)."}
+    )
+
+
+def main(argv: list[str]) -> None:
+    from trl import ModelConfig, ScriptArguments, TrlParser
+
+    from ..cli import build_trainer, errors_as_messages
+    from ..config import DistillationConfig
+    from .writer import write_teacher_cache
+
+    parser = TrlParser((ScriptArguments, DistillationConfig, ModelConfig, CacheArguments),
+                       prog="trl-distill cache-teacher")
+    with errors_as_messages():
+        script_args, training_args, model_args, cache_args = parser.parse_args_and_config(args=argv)
+        directory = training_args.teacher_cache
+        if not directory:
+            raise ValueError("Pass the directory to write the cache to with --teacher_cache DIR.")
+        if training_args.teacher_model_name_or_path in (None, "self"):
+            raise ValueError("Pass the teacher to cache with --teacher_model_name_or_path.")
+        training_args.teacher_cache = None  # this run has the live teacher; DIR is its output
+        training_args.eval_strategy = IntervalStrategy.NO  # only the train split is cached
+        training_args.output_dir = directory
+        trainer = build_trainer(script_args, training_args, model_args)
+        manifest = write_teacher_cache(
+            trainer, directory, top_k=cache_args.cache_top_k, shard_rows=cache_args.cache_shard_rows,
+            batch_size=cache_args.cache_batch_size, log_prob_dtype=cache_args.cache_log_prob_dtype,
+        )  # fmt: skip
+        if trainer.accelerator.is_main_process:
+            tokens = sum(s["tokens"] for s in manifest.shards)
+            size = sum(s["bytes"] for s in manifest.shards)
+            print(f"Teacher cache written to {directory}: {manifest.num_rows} rows, {tokens} loss tokens, top-"
+                  f"{manifest.top_k}, {size} bytes ({size / max(tokens, 1):.1f} per token)")

@@ -1,0 +1,100 @@
+"""Train from a teacher cache: open it, check it fits the run, and hand each batch its rows' teacher signal."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from ..sparse_losses import SparseTeacherSignal
+from .manifest import Manifest, check_fits, tokenizer_hash
+from .shards import flat, read_shard
+
+ROW = "teacher_cache_row"  # the column added to the prepared train dataset: the row's index in the cache
+SIGNAL = "teacher_cache_signal"  # the batch key of the rows' signal
+
+
+class _Opaque:
+    """Carries the signal through the Trainer's `_prepare_inputs` untouched: that would cast float tensors to the
+    DeepSpeed dtype (bf16), and it cannot rebuild a NamedTuple (transformers 5.24)."""
+
+    def __init__(self, signal: SparseTeacherSignal):
+        self.signal = signal
+
+
+class TeacherCache:
+    """A complete teacher cache written by `trl-distill cache-teacher`, memory-mapped."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = os.fspath(directory)
+        if not os.path.isdir(self.directory):
+            raise FileNotFoundError(f"teacher_cache {self.directory!r} is not a directory. Write the cache first with "
+                                    "`trl-distill cache-teacher --teacher_cache DIR ...`.")
+        manifest = Manifest.load(self.directory)
+        if manifest is None:
+            raise ValueError(f"{self.directory} has no manifest.json: it is not a teacher cache. Write one with "
+                             "`trl-distill cache-teacher --teacher_cache DIR ...`.")
+        self.manifest = manifest
+        self.table = None
+
+    def check_fits(self, tokenizer, vocab_size: int, temperature: float, max_length: int | None, dataset) -> None:
+        """One clear error when this cache was written for another tokenizer, data, max length or temperature."""
+        check_fits(self.manifest, self.directory, tokenizer_hash=tokenizer_hash(tokenizer), vocab_size=vocab_size,
+                   temperature=temperature, max_length=max_length, dataset=dataset)
+        shards = sorted(self.manifest.shards, key=lambda s: s["index"])
+        for shard in shards:
+            path = os.path.join(self.directory, shard["file"])
+            if not os.path.exists(path) or os.path.getsize(path) != shard["bytes"]:
+                raise ValueError(f"The teacher cache shard {path} is missing or was changed since it was written; "
+                                 "run `trl-distill cache-teacher` again with the same flags to rewrite it.")
+        self.table = pa.concat_tables([read_shard(os.path.join(self.directory, s["file"])) for s in shards])
+
+    def signal(self, rows: list[int]) -> SparseTeacherSignal:
+        """The signal of the loss tokens of `rows`, concatenated in order (row-major, as the loss selects them)."""
+        part = self.table.take(pa.array(rows, type=pa.int64()))
+        stored = part.column("row").to_numpy()
+        if not np.array_equal(stored, np.asarray(rows)):
+            raise ValueError(f"The teacher cache {self.directory} is out of order (rows {stored[:4]}... for "
+                             f"{rows[:4]}...); rewrite it with `trl-distill cache-teacher`.")
+        k = self.manifest.top_k
+        ids, log_probs = (np.array(flat(part.column(name))).reshape(-1, k) for name in ("top_k_ids", "top_k_log_probs"))
+        tail = np.array(flat(part.column("tail_log_prob")))  # copies: torch wants writable arrays
+        return SparseTeacherSignal(torch.from_numpy(ids), torch.from_numpy(log_probs), torch.from_numpy(tail))
+
+
+class CachedTeacherCollator:
+    """Wraps the trainer's collator: pops each example's cache row and adds the rows' signal to the batch."""
+
+    def __init__(self, collator, cache: TeacherCache):
+        self.collator, self.cache = collator, cache
+
+    def __call__(self, examples: list[dict]) -> dict:
+        rows = [int(example[ROW]) for example in examples]
+        batch = self.collator([{k: v for k, v in example.items() if k != ROW} for example in examples])
+        batch[SIGNAL] = _Opaque(self.cache.signal(rows))
+        return batch
+
+
+def pop_signal(inputs: dict) -> SparseTeacherSignal | None:
+    """Remove the cached signal from a batch (the model must not see it), on the batch's device; None for a batch
+    without one."""
+    holder = inputs.pop(SIGNAL, None)
+    if holder is None:
+        return None
+    device = inputs["input_ids"].device
+    return SparseTeacherSignal(*(t.to(device, non_blocking=True) for t in holder.signal))
+
+
+def train_from_cache(trainer, cache: TeacherCache) -> None:
+    """Make `trainer` (a `DistillationTrainer` without a teacher) read the teacher's signal from `cache`: check the
+    cache fits the prepared train dataset, number its rows and wrap the collator to add their signal."""
+    dataset = trainer.train_dataset
+    if not hasattr(dataset, "add_column") or "labels" not in dataset.column_names:
+        raise ValueError("Training from a teacher cache needs a prepared (map-style) train dataset with `labels`, "
+                         "as SFT's dataset preparation makes it (not an IterableDataset or skip_prepare_dataset).")
+    args = trainer.args
+    cache.check_fits(trainer.processing_class, trainer.vocab_size, args.temperature, args.max_length, dataset)
+    trainer.train_dataset = dataset.add_column(ROW, np.arange(len(dataset), dtype=np.int64))
+    trainer.data_collator = CachedTeacherCollator(trainer.data_collator, cache)

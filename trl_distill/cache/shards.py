@@ -1,0 +1,63 @@
+"""A teacher cache's shards on disk: Arrow IPC stream files, one row per prepared training row.
+
+Columns: ``row`` (index in the prepared dataset), ``input_ids`` (the token ids the teacher saw), ``positions``
+(the hidden-state positions carrying loss: ``labels[t + 1] != -100``), and per such position, flattened in order,
+``top_k_ids`` (int32, k each), ``top_k_log_probs`` (float32 or float16, k each) and ``tail_log_prob`` (float32).
+Shards are written to ``NAME.tmp`` and renamed when whole, so a killed writer never leaves a readable partial one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow as pa
+
+ARROW_TYPES = {"float32": pa.float32(), "float16": pa.float16()}
+SCHEMA_FIELDS = ("row", "input_ids", "positions", "top_k_ids", "top_k_log_probs", "tail_log_prob")
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.arrow"
+
+
+def schema(log_prob_dtype: str) -> pa.Schema:
+    return pa.schema([
+        ("row", pa.int64()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("positions", pa.list_(pa.int32())),
+        ("top_k_ids", pa.list_(pa.int32())),
+        ("top_k_log_probs", pa.list_(ARROW_TYPES[log_prob_dtype])),
+        ("tail_log_prob", pa.list_(pa.float32())),
+    ])  # fmt: skip
+
+
+def write_shard(path: str, records: list[dict], log_prob_dtype: str) -> int:
+    """Write `records` (dicts of numpy arrays, sorted by row) to `path` atomically; returns the file's size."""
+    np_dtype = np.dtype(log_prob_dtype)
+    columns = {
+        "row": [r["row"] for r in records],
+        "input_ids": [np.asarray(r["input_ids"], dtype=np.int32) for r in records],
+        "positions": [np.asarray(r["positions"], dtype=np.int32) for r in records],
+        "top_k_ids": [np.asarray(r["top_k_ids"], dtype=np.int32).reshape(-1) for r in records],
+        "top_k_log_probs": [np.asarray(r["top_k_log_probs"], dtype=np_dtype).reshape(-1) for r in records],
+        "tail_log_prob": [np.asarray(r["tail_log_prob"], dtype=np.float32) for r in records],
+    }
+    table = pa.Table.from_pydict(columns, schema=schema(log_prob_dtype))
+    with pa.OSFile(path + ".tmp", "wb") as sink:
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+    with open(path + ".tmp", "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    return os.path.getsize(path)
+
+
+def read_shard(path: str) -> pa.Table:
+    """The shard's table, memory-mapped (nothing is copied until a row is used)."""
+    return pa.ipc.open_stream(pa.memory_map(path)).read_all()
+
+
+def flat(column: pa.ChunkedArray) -> np.ndarray:
+    """A list column's values, every row's list concatenated in row order."""
+    return column.combine_chunks().flatten().to_numpy(zero_copy_only=False)

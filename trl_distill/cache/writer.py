@@ -1,0 +1,165 @@
+"""Run the teacher once over the prepared training set and store its sparse signal (see `sparse_losses`) on disk.
+
+Works with the teacher as `DistillationTrainer` prepares it, so a ZeRO-3 teacher stays partitioned over the ranks:
+each shard's batches are dealt to the ranks, every rank runs every teacher forward (ZeRO-3 gathers are
+collective), rank 0 gathers the rows and writes the shard. A killed run is resumed by running it again: complete
+shards (listed in the manifest, with their size) are kept, anything else is recomputed, so the finished cache is
+byte-identical to an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from accelerate.utils import broadcast_object_list, gather_object
+
+from ..losses import _finalise_logits
+from ..modeling import gathered
+from ..sparse_losses import top_k_teacher_signal
+from .manifest import Manifest, dataset_fingerprint, tokenizer_hash
+from .shards import ARROW_TYPES, shard_name, write_shard
+
+# Loss tokens projected through the teacher's lm_head at a time (bounds the [rows, V] logits)
+_ROWS_PER_PROJECTION = 256
+
+
+def write_teacher_cache(
+    trainer,
+    directory: str,
+    *,
+    top_k: int = 64,
+    shard_rows: int = 1024,
+    batch_size: int | None = None,
+    log_prob_dtype: str = "float32",
+    on_shard: Callable[[int], None] | None = None,
+) -> Manifest:
+    """Cache the teacher of `trainer` (a `DistillationTrainer` with a teacher) over its prepared train dataset.
+
+    Collective: call on every rank. ``on_shard(index)`` runs on every rank after each shard is on disk.
+    Returns the complete manifest.
+    """
+    if log_prob_dtype not in ARROW_TYPES:
+        raise ValueError(f"log_prob_dtype must be one of {sorted(ARROW_TYPES)}, got {log_prob_dtype!r}.")
+    if top_k < 1 or top_k > trainer.vocab_size:
+        raise ValueError(f"top_k must be in [1, the vocabulary size {trainer.vocab_size}], got {top_k}.")
+    if shard_rows < 1:
+        raise ValueError(f"shard_rows must be >= 1, got {shard_rows}.")
+    dataset = trainer.train_dataset
+    if "labels" not in dataset.column_names:
+        raise ValueError("The prepared train dataset has no `labels` column; the cache needs SFT's dataset "
+                         "preparation (an SFTConfig / DistillationConfig, not skip_prepare_dataset).")
+    args, accelerator = trainer.args, trainer.accelerator
+    source = trainer.teacher.source
+    teacher_name = source if isinstance(source, str) else getattr(source.config, "_name_or_path", "")
+    manifest = Manifest(
+        teacher=teacher_name, teacher_revision=trainer.teacher.init_kwargs.get("revision"),
+        tokenizer_hash=tokenizer_hash(trainer.processing_class), vocab_size=trainer.vocab_size, top_k=top_k,
+        temperature=args.temperature, max_length=args.max_length, log_prob_dtype=log_prob_dtype,
+        dataset_fingerprint=dataset_fingerprint(dataset), num_rows=len(dataset), shard_rows=shard_rows,
+    )  # fmt: skip
+    # Rank 0 decides what is already done; every rank learns it (and any error) from it, so none hangs.
+    decision = [_resume_point(manifest, directory) if accelerator.is_main_process else None]
+    decision = broadcast_object_list(decision, from_process=0)[0]
+    if isinstance(decision, str):
+        raise ValueError(decision)
+    manifest.shards = decision
+    done = {shard["index"] for shard in manifest.shards}
+    if len(done) < manifest.num_shards:
+        trainer._prepare_teacher()  # collective
+    batch_size = batch_size or args.per_device_eval_batch_size
+    columns = dataset.select_columns(["input_ids", "labels"])
+    for index in range(manifest.num_shards):
+        if index in done:
+            continue
+        rows = manifest.shard_range(index)
+        batches = [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
+        mine = batches[accelerator.process_index :: accelerator.num_processes]
+        steps = -(-len(batches) // accelerator.num_processes)
+        records = []
+        for step in range(steps):
+            # A rank with no batch left runs the first one again and drops it: every forward is collective.
+            batch_rows = mine[step] if step < len(mine) else batches[0]
+            out = _teacher_rows(trainer, columns, batch_rows, top_k, args.temperature)
+            records += out if step < len(mine) else []
+        records = gather_object(records) if accelerator.num_processes > 1 else records
+        if accelerator.is_main_process:
+            records.sort(key=lambda r: r["row"])
+            size = write_shard(os.path.join(directory, shard_name(index)), records, log_prob_dtype)
+            tokens = sum(len(r["positions"]) for r in records)
+            manifest.shards.append({"index": index, "file": shard_name(index), "rows": [rows.start, rows.stop],
+                                    "tokens": tokens, "bytes": size})
+            manifest.complete = len(manifest.shards) == manifest.num_shards
+            manifest.save(directory)
+        accelerator.wait_for_everyone()
+        if on_shard is not None:
+            on_shard(index)
+    manifest.complete = True
+    if accelerator.is_main_process:
+        manifest.save(directory)
+    accelerator.wait_for_everyone()
+    return manifest
+
+
+def _resume_point(manifest: Manifest, directory: str) -> list[dict] | str:
+    """The complete shards to keep (creating the directory and manifest if new), or an error message."""
+    os.makedirs(directory, exist_ok=True)
+    for leftover in glob.glob(os.path.join(directory, "*.tmp")):  # written by a killed run: never read
+        os.remove(leftover)
+    try:
+        existing = Manifest.load(directory)
+    except ValueError as error:
+        return str(error)
+    if existing is None:
+        if any(name.endswith(".arrow") for name in os.listdir(directory)):
+            return f"{directory} holds shards but no manifest.json: pass an empty or new --teacher_cache directory."
+        manifest.save(directory)
+        return []
+    if existing.settings() != manifest.settings():
+        differs = [f"{k}: {existing.settings()[k]!r} there, {v!r} now" for k, v in manifest.settings().items()
+                   if existing.settings()[k] != v]
+        return (f"{directory} holds a teacher cache with other settings ({'; '.join(differs)}). Pass another "
+                "--teacher_cache directory, or delete that one to rewrite it.")
+    kept = [s for s in existing.shards if _whole(directory, s)]
+    if len(kept) < len(existing.shards) or existing.complete != (len(kept) == manifest.num_shards):
+        existing.shards, existing.complete = kept, len(kept) == manifest.num_shards
+        existing.save(directory)
+    return kept
+
+
+def _whole(directory: str, shard: dict) -> bool:
+    path = os.path.join(directory, shard["file"])
+    return os.path.exists(path) and os.path.getsize(path) == shard["bytes"]
+
+
+@torch.no_grad()
+def _teacher_rows(trainer, columns, rows: range, top_k: int, temperature: float) -> list[dict]:
+    """The sparse teacher signal of the prepared rows `rows`, one record per row."""
+    examples = [columns[i] for i in rows]
+    batch = trainer._prepare_inputs(trainer.data_collator(examples))
+    labels = batch.pop("labels")
+    batch.pop("shift_labels", None)
+    hidden = trainer.teacher.last_hidden_state(batch)[:, :-1]  # position t predicts labels[t + 1]
+    mask = labels[:, 1:] != -100
+    head, vocab = trainer.teacher.lm_head(), trainer.vocab_size
+    records = []
+    with gathered(head.weight, head.bias):
+        weight, bias = head.weight[:vocab], None if head.bias is None else head.bias[:vocab]
+        for b, row in enumerate(rows):
+            positions = mask[b].nonzero().squeeze(1)
+            parts = []
+            for start in range(0, positions.numel(), _ROWS_PER_PROJECTION):
+                h = hidden[b, positions[start : start + _ROWS_PER_PROJECTION]]
+                logits = _finalise_logits(F.linear(h, weight, bias).float(), head.logit_scale, head.softcap)
+                parts.append(top_k_teacher_signal(logits, top_k, temperature))
+            if parts:
+                ids, log_probs, tail = (torch.cat(x) for x in zip(*parts, strict=True))
+            else:
+                ids, log_probs, tail = torch.empty(0, top_k), torch.empty(0, top_k), torch.empty(0)
+            records.append({"row": row, "input_ids": examples[b]["input_ids"], "positions": positions.cpu().numpy(),
+                            "top_k_ids": ids.cpu().numpy(), "top_k_log_probs": log_probs.cpu().numpy(),
+                            "tail_log_prob": tail.cpu().numpy()})
+    return records

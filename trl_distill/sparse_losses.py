@@ -1,0 +1,157 @@
+"""Distillation from a sparse teacher signal: the teacher's top-k log-probabilities plus the log of its tail mass.
+
+A cached teacher gives, per loss token, k token ids ``S`` with ``log p_i`` and ``log r``, the log of the mass it
+puts outside them, ``r = 1 − Σ_S p_i``, all at the training temperature. The student's full distribution ``q``
+(at the same temperature) is coarse-grained onto the same k + 1 buckets, ``q_i`` for ``i ∈ S`` and
+``q_tail = Σ_{j ∉ S} q_j``, and the divergence is taken between the two (k+1)-bucket distributions:
+
+    KL(p ‖ q) ≈ Σ_{i ∈ S} p_i · log(p_i / q_i) + r · log(r / q_tail)      (and alike for every divergence)
+
+Exactness. With k = V the tail is empty and every divergence equals the dense one. With k < V every divergence
+here (forward and reverse KL, JSD, both skew KLs, TVD) is an f-divergence, so the bucketed value is a lower bound
+on the full one (data processing inequality), equal when ``p_j / q_j`` is constant over the tail. The forward KL's
+gradient on the top-k logits is exact (``q_i − p_i``); on a tail logit it is ``q_j − r · q_j / q_tail``: the
+teacher's tail mass spread like the student's own tail. The temperature adds no approximation: the cache is
+computed at the training temperature (the trainer refuses another one).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .losses import (
+    _AUTO_CHUNK_ELEMENTS,
+    DistillationLossOutput,
+    _check_args,
+    _ChunkedDistillation,
+    _div,
+    _normalise,
+    per_token_divergence,
+)
+
+__all__ = ["SparseTeacherSignal", "sparse_distillation_loss", "top_k_teacher_signal"]
+
+# An empty bucket's log-probability (k = V leaves no tail): finite, so neither values nor gradients become NaN,
+# and exp() of it is exactly 0 in fp32, so it adds nothing to any divergence.
+_EMPTY_LOG_PROB = -1.0e4
+
+
+class SparseTeacherSignal(NamedTuple):
+    """Per selected token: ``ids`` ``[n, k]`` (int), ``log_probs`` ``[n, k]`` and ``tail_log_prob`` ``[n]``."""
+
+    ids: Tensor
+    log_probs: Tensor
+    tail_log_prob: Tensor
+
+
+@torch.no_grad()
+def top_k_teacher_signal(logits: Tensor, k: int, temperature: float = 1.0) -> SparseTeacherSignal:
+    """The sparse signal of teacher logits ``[n, V]``: the k most likely ids (most likely first), their fp32
+    log-probabilities at ``temperature`` and the log of the remaining mass (``-inf`` when k = V)."""
+    if not 1 <= k <= logits.shape[-1]:
+        raise ValueError(f"k must be in [1, vocabulary size {logits.shape[-1]}], got {k}.")
+    log_probs = F.log_softmax(_div(logits.float(), temperature), dim=-1)
+    top, ids = log_probs.topk(k, dim=-1)
+    tail = log_probs.scatter(1, ids, float("-inf")).logsumexp(-1)
+    return SparseTeacherSignal(ids, top, tail)
+
+
+def bucketed(student_log_probs: Tensor, ids: Tensor) -> Tensor:
+    """The student's log-probs ``[c, V]`` coarse-grained onto ``ids``' k buckets plus the tail: ``[c, k + 1]``."""
+    top = student_log_probs.gather(1, ids)
+    tail = student_log_probs.scatter(1, ids, _EMPTY_LOG_PROB).logsumexp(-1, keepdim=True)
+    return torch.cat([top, tail.clamp_min(_EMPTY_LOG_PROB)], dim=1)
+
+
+class _SparseSignalChunks:
+    """The teacher side of the chunked loss (see `losses._ChunkedDistillation`) from a cached sparse signal."""
+
+    closed_form = False
+
+    def __init__(self, signal: SparseTeacherSignal):
+        self.signal = signal
+
+    def chunk(self, rows: slice) -> tuple[Tensor, Tensor]:
+        ids = self.signal.ids[rows].long()
+        tail = self.signal.tail_log_prob[rows].float().clamp_min(_EMPTY_LOG_PROB).unsqueeze(1)
+        return ids, torch.cat([self.signal.log_probs[rows].float().clamp_min(_EMPTY_LOG_PROB), tail], dim=1)
+
+    @staticmethod
+    def per_token(student_logp: Tensor, chunk: tuple[Tensor, Tensor], cfg: dict) -> Tensor:
+        ids, teacher_buckets = chunk
+        return per_token_divergence(
+            bucketed(student_logp, ids), teacher_buckets.to(student_logp.dtype), cfg["loss_type"],
+            beta=cfg["beta"], skew_alpha=cfg["skew_alpha"],
+        )  # fmt: skip
+
+
+def sparse_distillation_loss(
+    student_hidden: Tensor,
+    student_lm_head_weight: Tensor,
+    teacher: SparseTeacherSignal,
+    mask: Tensor | None = None,
+    loss_type: str = "forward_kl",
+    *,
+    labels: Tensor | None = None,
+    student_lm_head_bias: Tensor | None = None,
+    beta: float = 0.5,
+    skew_alpha: float = 0.1,
+    temperature: float = 1.0,
+    num_items_in_batch: int | Tensor | None = None,
+    chunk_size: int | None = None,
+    vocab_size: int | None = None,
+    student_logit_scale: float | None = None,
+    student_softcap: float | None = None,
+    kd_grad: bool = True,
+    ce_grad: bool = True,
+) -> DistillationLossOutput:
+    """`losses.chunked_distillation_loss` with the teacher given as a sparse signal (see the module docstring).
+
+    ``teacher`` holds one row per selected token (``mask`` True, row-major), in order; its ids index the student's
+    first ``vocab_size`` logits (default: all). Everything else is as in `chunked_distillation_loss`.
+    """
+    _check_args(loss_type, beta, skew_alpha, temperature)
+    v_s, h_dim = student_lm_head_weight.shape
+    if student_hidden.shape[-1] != h_dim:
+        raise ValueError(f"hidden size {student_hidden.shape[-1]} does not match the lm_head {(v_s, h_dim)}.")
+    lead = student_hidden.shape[:-1]
+    for name, t in (("mask", mask), ("labels", labels)):
+        if t is not None and t.shape != lead:
+            raise ValueError(f"{name} shape {tuple(t.shape)} must equal the hidden leading shape {tuple(lead)}.")
+    vocab_size = v_s if vocab_size is None else vocab_size
+    if not 1 <= vocab_size <= v_s:
+        raise ValueError(f"vocab_size={vocab_size} must be in [1, the student's vocabulary {v_s}].")
+    s_flat = student_hidden.reshape(-1, h_dim)
+    rows = None if mask is None else mask.reshape(-1).nonzero().squeeze(1)
+    n = s_flat.shape[0] if rows is None else rows.numel()
+    k = teacher.ids.shape[-1] if teacher.ids.dim() == 2 else 0
+    if teacher.ids.shape != (n, k) or teacher.log_probs.shape != (n, k) or teacher.tail_log_prob.shape != (n,):
+        raise ValueError(
+            f"The sparse teacher signal has {teacher.ids.shape[0]} rows (ids {tuple(teacher.ids.shape)}, log-probs "
+            f"{tuple(teacher.log_probs.shape)}, tail {tuple(teacher.tail_log_prob.shape)}) but the batch has {n} "
+            "loss tokens: the cache was written for other data."
+        )
+    if n and k and int(teacher.ids.max()) >= vocab_size:
+        raise ValueError(f"The sparse teacher signal holds token id {int(teacher.ids.max())} >= vocab_size "
+                         f"{vocab_size}.")
+    if labels is not None:
+        labels = labels.reshape(-1) if rows is None else labels.reshape(-1).index_select(0, rows)
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
+    chunk_size = chunk_size or max(1, _AUTO_CHUNK_ELEMENTS // v_s)
+    cfg = {
+        "grad_enabled": torch.is_grad_enabled(), "loss_type": loss_type, "beta": beta, "skew_alpha": skew_alpha,
+        "temperature": temperature, "vocab_size": vocab_size, "chunk_size": min(chunk_size, max(n, 1)),
+        "s_scale": student_logit_scale, "s_softcap": student_softcap, "kd_grad": kd_grad, "ce_grad": ce_grad,
+    }  # fmt: skip
+    kd_sum, ce_sum = _ChunkedDistillation.apply(
+        s_flat, student_lm_head_weight, student_lm_head_bias, rows, labels, _SparseSignalChunks(teacher), cfg
+    )
+    kd = _normalise(kd_sum, n, num_items_in_batch)
+    ce = _normalise(ce_sum, n, num_items_in_batch) if labels is not None else None
+    return DistillationLossOutput(kd, ce)
+
