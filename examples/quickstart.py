@@ -57,6 +57,28 @@ def compare(student, teacher, tokenizer, texts: list[str]) -> dict[str, float]:
     return {key: value / tokens for key, value in sums.items()}
 
 
+def teach_teacher(out: str, steps: int, train) -> tuple:
+    """Steps 1-2: a tokenizer trained on the corpus' train split, a teacher and a student built from configs, the
+    teacher trained with `trl.SFTTrainer`; both saved (with the tokenizer) to ``out/teacher`` and ``out/student``."""
+    print(f"[1/4] training a tokenizer on {len(train)} pieces of the Python reference; building models")
+    tokenizer = build_tokenizer(vocab_size=2048, corpus=train["text"])
+    teacher = build_tiny_model(tokenizer, "teacher", seed=0, max_position_embeddings=MAX_LENGTH, **SIZES["teacher"])
+    student = build_tiny_model(tokenizer, "student", seed=1, max_position_embeddings=MAX_LENGTH, **SIZES["student"])
+
+    print(f"[2/4] teaching the teacher the corpus ({steps} steps, trl.SFTTrainer, 1 process)")
+    sft = SFTConfig(
+        output_dir=os.path.join(out, "teacher_sft"), max_steps=steps, per_device_train_batch_size=16,
+        max_length=MAX_LENGTH, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=20, logging_steps=100,
+        save_strategy="no", bf16=False, gradient_checkpointing=False, report_to="none", use_cpu=True,
+        disable_tqdm=True, seed=0,
+    )
+    SFTTrainer(teacher, args=sft, train_dataset=train.select_columns("text"), processing_class=tokenizer).train()
+    for name, model in (("teacher", teacher), ("student", student)):
+        model.save_pretrained(os.path.join(out, name))
+        tokenizer.save_pretrained(os.path.join(out, name))
+    return tokenizer, teacher, student
+
+
 def main():
     parser = argparse.ArgumentParser(description="trl_distill quickstart")
     parser.add_argument("--output_dir", default="outputs/quickstart")
@@ -71,23 +93,7 @@ def main():
     corpus = load_dataset("json", data_files={s: os.path.join(CORPUS, f"{s}.jsonl") for s in ("train", "heldout")})
     heldout = corpus["heldout"]["text"]
 
-    print(f"[1/4] training a tokenizer on {len(corpus['train'])} pieces of the Python reference; building models")
-    tokenizer = build_tokenizer(vocab_size=2048, corpus=corpus["train"]["text"])
-    teacher = build_tiny_model(tokenizer, "teacher", seed=0, max_position_embeddings=MAX_LENGTH, **SIZES["teacher"])
-    student = build_tiny_model(tokenizer, "student", seed=1, max_position_embeddings=MAX_LENGTH, **SIZES["student"])
-
-    print(f"[2/4] teaching the teacher the corpus ({args.teacher_steps} steps, trl.SFTTrainer, 1 process)")
-    sft = SFTConfig(
-        output_dir=os.path.join(out, "teacher_sft"), max_steps=args.teacher_steps, per_device_train_batch_size=16,
-        max_length=MAX_LENGTH, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=20, logging_steps=100,
-        save_strategy="no", bf16=False, gradient_checkpointing=False, report_to="none", use_cpu=True,
-        disable_tqdm=True, seed=0,
-    )
-    SFTTrainer(teacher, args=sft, train_dataset=corpus["train"].select_columns("text"),
-               processing_class=tokenizer).train()
-    for name, model in (("teacher", teacher), ("student", student)):
-        model.save_pretrained(paths[name])
-        tokenizer.save_pretrained(paths[name])
+    tokenizer, teacher, student = teach_teacher(out, args.teacher_steps, corpus["train"])
     teacher.eval()
     before = compare(student.eval(), teacher, tokenizer, heldout)
 

@@ -7,7 +7,7 @@ ROOT = Path(__file__).parent.parent
 
 
 def test_every_quoted_message_is_in_the_code():
-    source = "\n".join(p.read_text() for p in (ROOT / "trl_distill").glob("*.py"))
+    source = "\n".join(p.read_text() for p in (ROOT / "trl_distill").rglob("*.py"))
     rows = [line for line in (ROOT / "docs" / "errors.md").read_text().splitlines() if line.startswith("| ")][2:]
     assert len(rows) >= 25
     for row in rows:

@@ -1,0 +1,158 @@
+"""The teacher cache vs the online ZeRO-3 teacher, measured in one run (`make bench-cache`, ~6 min on 2 idle cores).
+
+    python benchmarks/teacher_cache.py [--output_dir benchmarks/results] [--work_dir outputs/bench_cache] [--smoke]
+
+1. The quickstart's models: a tokenizer and a teacher trained on the bundled corpus, an untrained student.
+2. `trl-distill cache-teacher` on 2 processes (ZeRO-3 teacher) with k = 8, 64 and 256 (float32 log-probs) and
+   k = 64 in float16: bytes per loss token on disk and the wall time of each.
+3. The quickstart's distillation recipe on 2 processes (ZeRO-2 student, forward KL, alpha 1, T 1): with the live
+   ZeRO-3 teacher, then from each float32 cache. Step time: the median over the steps after the first 5, and the
+   wall time of `train()` (the live teacher's includes loading it). The runs alternate (online, caches, online
+   again), and each cache run is compared with the median of the two online ones.
+4. Held-out quality on the corpus' held-out topics (the quickstart's `compare`): each student's cross-entropy,
+   KL(teacher‖student) and top-1 agreement, and the gap of the cached students to the online (dense) one.
+
+Writes `teacher_cache.json` and `teacher_cache.md` to --output_dir, and the table into README.md between
+``<!-- bench:cache:start -->`` and ``<!-- bench:cache:end -->``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT / "examples"))
+
+from quickstart import CORPUS, compare, teach_teacher  # noqa: E402
+
+from trl_distill.testing import launch  # noqa: E402
+
+WARMUP = 5
+README_MARKERS = ("<!-- bench:cache:start -->", "<!-- bench:cache:end -->")
+
+
+def cli_flags(work: Path, steps: int) -> list[str]:
+    return ["--config", str(ROOT / "configs/recipes/quickstart.yaml"), "--model_name_or_path", str(work / "student"),
+            "--dataset_name", str(Path(CORPUS) / "train.jsonl"), "--deepspeed",
+            str(ROOT / "configs/deepspeed/zero2_student.json"), "--max_steps", str(steps), "--logging_steps", "50"]
+
+
+def cache_teacher(work: Path, name: str, k: int, dtype: str, steps: int) -> dict:
+    directory = work / "caches" / name
+    start = time.time()
+    launch("trl_distill", "cache-teacher", *cli_flags(work, steps), "--teacher_model_name_or_path",
+           str(work / "teacher"), "--teacher_cache", str(directory), "--cache_top_k", str(k),
+           "--cache_log_prob_dtype", dtype, launcher_args=("-m",), cwd=ROOT, timeout=900)
+    seconds = time.time() - start
+    manifest = json.loads((directory / "manifest.json").read_text())
+    tokens = sum(s["tokens"] for s in manifest["shards"])
+    size = sum(s["bytes"] for s in manifest["shards"])
+    print(f"cache {name}: {size / tokens:.1f} bytes per loss token, {seconds:.0f} s", flush=True)
+    return {"name": name, "k": k, "dtype": dtype, "dir": str(directory), "rows": manifest["num_rows"],
+            "loss_tokens": tokens, "bytes": size, "bytes_per_token": size / tokens, "seconds": seconds}
+
+
+def train(work: Path, name: str, steps: int, teacher_flags: list[str]) -> dict:
+    out = work / "students" / name
+    launch(HERE / "cache_train_worker.py", *cli_flags(work, steps), *teacher_flags, "--output_dir", str(out),
+           cwd=ROOT, timeout=900)
+    times = json.loads((out / "step_times.json").read_text())
+    ends = [times["start"]] + times["ends"]
+    steps_s = [b - a for a, b in zip(ends, ends[1:], strict=False)][WARMUP:]
+    record = {"name": name, "dir": str(out), "step_seconds": statistics.median(steps_s),
+              "step_seconds_min_max": [min(steps_s), max(steps_s)], "train_seconds": times["train_seconds"]}
+    print(f"train {name}: median step {record['step_seconds'] * 1000:.0f} ms, train() {record['train_seconds']:.0f} s",
+          flush=True)
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output_dir", default=str(HERE / "results"))
+    parser.add_argument("--work_dir", default=str(ROOT / "outputs" / "bench_cache"))
+    parser.add_argument("--smoke", action="store_true", help="a few steps, k = 8 only (the test suite's check)")
+    args = parser.parse_args(argv)
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    begin = time.time()
+    work, out = Path(args.work_dir).resolve(), Path(args.output_dir).resolve()
+    teacher_steps, steps = (4, 2 * WARMUP + 2) if args.smoke else (300, 200)
+    corpus = load_dataset("json", data_files={s: os.path.join(CORPUS, f"{s}.jsonl") for s in ("train", "heldout")})
+    tokenizer, teacher, _ = teach_teacher(str(work), teacher_steps, corpus["train"])
+    teacher.eval()
+    heldout = corpus["heldout"]["text"][:8] if args.smoke else corpus["heldout"]["text"]
+    plans = [("k8", 8, "float32")] if args.smoke else [("k8", 8, "float32"), ("k64", 64, "float32"),
+                                                       ("k256", 256, "float32"), ("k64_fp16", 64, "float16")]
+    caches = [cache_teacher(work, name, k, dtype, steps) for name, k, dtype in plans]
+    online_flags = ["--teacher_model_name_or_path", str(work / "teacher")]
+    runs = [train(work, "online", steps, online_flags)]
+    runs += [train(work, c["name"], steps, ["--teacher_cache", c["dir"]]) for c in caches if c["dtype"] == "float32"]
+    runs.append(train(work, "online_again", steps, online_flags))
+    for run in runs:
+        student = AutoModelForCausalLM.from_pretrained(run.pop("dir")).eval()
+        run["heldout"] = compare(student, teacher, tokenizer, heldout)
+    online = [r for r in runs if r["name"].startswith("online")]
+    base = {key: statistics.median(r[key] for r in online) for key in ("step_seconds", "train_seconds")}
+    for run in runs:
+        run["step_time_vs_online"] = run["step_seconds"] / base["step_seconds"]
+        run["train_time_vs_online"] = run["train_seconds"] / base["train_seconds"]
+        run["gap_to_online"] = {key: run["heldout"][key] - online[0]["heldout"][key]
+                                for key in ("student_ce", "kl_to_teacher", "top1_agreement")}
+    report = {"steps": steps, "warmup_steps": WARMUP, "caches": caches, "runs": runs, "machine": machine(),
+              "seconds": time.time() - begin}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "teacher_cache.json").write_text(json.dumps(report, indent=2) + "\n")
+    table = markdown(report)
+    (out / "teacher_cache.md").write_text("# Teacher cache vs the online ZeRO-3 teacher\n\n" + table)
+    if not args.smoke:
+        write_readme(table)
+    print(table)
+
+
+def markdown(report: dict) -> str:
+    lines = ["| cache | bytes per loss token | cache-teacher wall s |", "|---|---|---|"]
+    lines += [f"| k={c['k']}, {c['dtype']} | {c['bytes_per_token']:.0f} | {c['seconds']:.0f} |"
+              for c in report["caches"]]
+    lines += ["", "| student trained with | step time vs online | train() time vs online | held-out CE | "
+              "CE − online | KL(teacher‖student) | top-1 agreement |", "|---|---|---|---|---|---|---|"]
+    for r in report["runs"]:
+        h, gap = r["heldout"], r["gap_to_online"]
+        lines.append(f"| {r['name']} | {r['step_time_vs_online']:.2f} | {r['train_time_vs_online']:.2f} | "
+                     f"{h['student_ce']:.3f} | {gap['student_ce']:+.3f} | {h['kl_to_teacher']:.3f} | "
+                     f"{h['top1_agreement']:.3f} |")
+    m = report["machine"]
+    lines += ["", f"{report['steps']} steps of the quickstart recipe on 2 processes (ZeRO-2 student; online: ZeRO-3 "
+              f"teacher), step time = median after {report['warmup_steps']} warm-up steps, ratios to the median of "
+              f"the two online runs (run first and last). {m['cpus']} CPUs, torch {m['torch']}, {m['date']}, load "
+              f"average {m['load_average'][0]:.1f} at the end; whole benchmark {report['seconds']:.0f} s."]
+    return "\n".join(lines) + "\n"
+
+
+def write_readme(table: str) -> None:
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    start, end = README_MARKERS
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        readme.write_text(head + start + "\n" + table + end + rest.split(end, 1)[1])
+
+
+def machine() -> dict:
+    return {"cpus": os.cpu_count(), "torch": torch.__version__, "load_average": os.getloadavg(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+if __name__ == "__main__":
+    main()
