@@ -38,6 +38,8 @@ def test_teacher_loaded_partitioned_with_zero_init(zero2_zero3_runs):
         load = rec["teacher_at_load"]
         assert load["zero3_flag"] and load["all_partitioned"]
         assert load["materialized"] == 0  # not a single full tensor on the rank right after loading
+        # each rank read exactly its half of the checkpoint's bytes (trl_distill.zero3_loading), not all of it
+        assert load["bytes_read"] * 2 == load["param_bytes"] > 0
 
 
 def test_teacher_stays_partitioned_during_training(zero2_zero3_runs):

@@ -17,9 +17,11 @@ import os
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.integrations import is_deepspeed_zero3_enabled
 
 from .modeling import LMHead, add_fused_distillation_forward
 from .validation import check_model_path
+from .zero3_loading import load_partitioned, loadable
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +109,10 @@ class Teacher:
         if kwargs.pop("device_map", None) is not None:
             logger.warning("Ignoring the teacher's `device_map`: the teacher is placed by DeepSpeed or on the "
                            "training device.")
+        if is_deepspeed_zero3_enabled() and loadable(self.source, kwargs):
+            model = load_partitioned(self.source, kwargs)  # each rank reads only its partition's bytes
+            if model is not None:
+                return model
         return AutoModelForCausalLM.from_pretrained(self.source, **kwargs)
 
     def prepare(self, accelerator, device: torch.device) -> None:

@@ -97,14 +97,28 @@ def count_lm_head_gathers(rec):
 def record_teacher_load(trainer, rec):
     """Record the teacher as `from_pretrained` returns it, before DeepSpeed prepares it: under `zero.Init` it
     is already partitioned, so no rank ever held all of it."""
-    load = trainer.teacher._load
+    import trl_distill.zero3_loading as loading
+
+    load, read = trainer.teacher._load, loading._read_flat
+    bytes_read = []
+
+    def counting_read(path, entry, data_start, first, count):
+        values = read(path, entry, data_start, first, count)
+        bytes_read.append(values.numel() * values.element_size())
+        return values
 
     def recording_load():
-        model = load()
+        loading._read_flat = counting_read
+        try:
+            model = load()
+        finally:
+            loading._read_flat = read
         rec["teacher_at_load"] = {
             "zero3_flag": is_deepspeed_zero3_enabled(),
             "all_partitioned": all(hasattr(p, "ds_id") for p in model.parameters()),
             "materialized": sum(p.numel() for p in model.parameters()),
+            "bytes_read": sum(bytes_read),  # from the checkpoint, by this rank, with the partition-wise loader
+            "param_bytes": sum(p.ds_numel * p.element_size() for p in model.parameters()),
         }
         return model
 

@@ -1,0 +1,130 @@
+"""Load a ZeRO-3 teacher straight into each rank's partition, each rank reading only its own bytes of the checkpoint.
+
+transformers' ZeRO-3 `from_pretrained` (5.24) maps the whole checkpoint on rank 0 and gathers every module whole on
+every rank to copy it in, so loading peaks well above the 1/N a rank keeps. Here the model is built partitioned
+(`from_config` under the teacher's ZeRO-3 plugin: `zero.Init`), then every parameter's partition is filled with
+``os.pread`` from its byte range in the ``.safetensors`` files: a rank reads 1/N of the checkpoint and never holds
+more than its partition plus one module during the (random) initialisation transformers runs.
+
+Used when the teacher is a local directory of safetensors whose tensor names and shapes are exactly the model's
+parameters (the usual `save_pretrained` output); anything else (hub ids, ``.bin``, renamed or converted weights,
+quantization, NVMe offload) goes through `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# safetensors dtype names -> torch dtypes
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+def safetensors_index(directory: str) -> dict[str, tuple[str, dict, int]] | None:
+    """``{tensor name: (file, header entry, data start offset)}`` of a local safetensors checkpoint, else None."""
+    if not os.path.isdir(directory):
+        return None
+    index_file = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index_file):
+        with open(index_file) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.exists(os.path.join(directory, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        return None
+    entries = {}
+    for name in files:
+        path = os.path.join(directory, name)
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        for key, entry in header.items():
+            entries[key] = (path, entry, 8 + length)
+    return entries
+
+
+def _read_flat(path: str, entry: dict, data_start: int, first: int, count: int) -> torch.Tensor:
+    """Elements ``[first, first + count)`` of a tensor stored row-major in a safetensors file, read with pread."""
+    dtype = _DTYPES[entry["dtype"]]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    begin = data_start + entry["data_offsets"][0] + first * itemsize
+    buffer = bytearray(count * itemsize)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        view, done = memoryview(buffer), 0
+        while done < len(buffer):
+            n = os.preadv(fd, [view[done:]], begin + done)
+            if n <= 0:
+                raise OSError(f"{path}: short read at byte {begin + done}")
+            done += n
+    finally:
+        os.close(fd)
+    return torch.frombuffer(buffer, dtype=dtype) if count else torch.empty(0, dtype=dtype)
+
+
+def _partition(param) -> tuple[torch.Tensor, int, int] | None:
+    """This rank's partition of a ZeRO-3 parameter and the flat range it holds, from DeepSpeed's per-parameter
+    attributes (`ds_tensor`, `ds_numel`, `ds_process_group`; checked against deepspeed 0.19.8: rank r holds flat
+    elements ``[r·p, (r+1)·p)`` of the parameter, zero-padded past its end). None if not partitioned here."""
+    from deepspeed import comm as dist
+
+    part = getattr(param, "ds_tensor", None)
+    if part is None or part.numel() == 0:
+        return None
+    size = part.numel()
+    first = dist.get_rank(group=param.ds_process_group) * size
+    return part, first, max(0, min(size, param.ds_numel - first))
+
+
+def loadable(directory: str, init_kwargs: dict) -> bool:
+    """Whether `load_partitioned` applies: a local safetensors checkpoint and no quantization."""
+    quantized = any(k in init_kwargs for k in ("quantization_config", "load_in_4bit", "load_in_8bit"))
+    return not quantized and isinstance(directory, str) and safetensors_index(directory) is not None
+
+
+def load_partitioned(directory: str, init_kwargs: dict):
+    """Build the model under the selected ZeRO-3 plugin and fill each rank's partitions from the checkpoint.
+
+    Returns None (nothing loaded) when the checkpoint's names or shapes do not match the model's parameters
+    exactly, so the caller can fall back to `from_pretrained`. Collective: every rank calls it.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    entries = safetensors_index(directory)
+    config_kwargs = {k: init_kwargs[k] for k in ("revision", "trust_remote_code") if k in init_kwargs}
+    config = AutoConfig.from_pretrained(directory, **config_kwargs)
+    dtype = init_kwargs.get("dtype", init_kwargs.get("torch_dtype"))
+    if dtype is None or dtype == "auto":
+        dtype = config.dtype if dtype == "auto" and config.dtype is not None else torch.float32
+    model_kwargs = {k: v for k, v in init_kwargs.items() if k in ("attn_implementation", "trust_remote_code")}
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, **model_kwargs)  # zero.Init: already partitioned
+    params = dict(model.named_parameters())  # tied weights appear once
+    shapes = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in params.items()}
+    if any(name not in entries or tuple(entries[name][1]["shape"]) != shape for name, shape in shapes.items()):
+        logger.info("Teacher checkpoint names/shapes differ from the model's parameters: loading with from_pretrained.")
+        return None
+    if any(_partition(p) is None for p in params.values()):
+        return None  # not partitioned (or swapped to NVMe): nothing for a slice to go into
+    with torch.no_grad():
+        for name, param in params.items():
+            part, first, count = _partition(param)
+            path, entry, start = entries[name]
+            values = _read_flat(path, entry, start, first, count)
+            part[:count].copy_(values.to(part.dtype))
+            part[count:].zero_()
+        buffers = dict(model.named_buffers())
+        for name, buffer in buffers.items():  # persistent buffers in the checkpoint (not partitioned by ZeRO-3)
+            if name in entries and tuple(entries[name][1]["shape"]) == tuple(buffer.shape):
+                path, entry, start = entries[name]
+                buffer.copy_(_read_flat(path, entry, start, 0, buffer.numel()).view(buffer.shape).to(buffer.dtype))
+    model.eval()
+    return model
