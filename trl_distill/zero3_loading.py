@@ -91,6 +91,25 @@ def loadable(directory: str, init_kwargs: dict) -> bool:
     return not quantized and isinstance(directory, str) and safetensors_index(directory) is not None
 
 
+def _partitioned_construction():
+    """What transformers' ZeRO-3 `from_config` enters, without the random initialisation it runs afterwards
+    (`initialize_weights_zero3` gathers every module whole to initialise it; the checkpoint overwrites it anyway).
+    Private transformers helpers, checked against transformers 5.24 (`modeling_utils.PreTrainedModel._from_config`):
+    inside `set_zero3_state()`, `from_config` enters no `zero.Init` of its own and initialises nothing."""
+    import contextlib
+
+    import deepspeed
+    from transformers.initialization import no_init_weights
+    from transformers.integrations.deepspeed import deepspeed_config, prevent_arange_dtype_change
+    from transformers.modeling_utils import set_zero3_state
+
+    stack = contextlib.ExitStack()
+    for context in (no_init_weights(), prevent_arange_dtype_change(),
+                    deepspeed.zero.Init(config_dict_or_path=deepspeed_config()), set_zero3_state()):
+        stack.enter_context(context)
+    return stack
+
+
 def load_partitioned(directory: str, init_kwargs: dict):
     """Build the model under the selected ZeRO-3 plugin and fill each rank's partitions from the checkpoint.
 
@@ -106,7 +125,8 @@ def load_partitioned(directory: str, init_kwargs: dict):
     if dtype is None or dtype == "auto":
         dtype = config.dtype if dtype == "auto" and config.dtype is not None else torch.float32
     model_kwargs = {k: v for k, v in init_kwargs.items() if k in ("attn_implementation", "trust_remote_code")}
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, **model_kwargs)  # zero.Init: already partitioned
+    with _partitioned_construction():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **model_kwargs)
     params = dict(model.named_parameters())  # tied weights appear once
     shapes = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in params.items()}
     if any(name not in entries or tuple(entries[name][1]["shape"]) != shape for name, shape in shapes.items()):
