@@ -218,6 +218,21 @@ def test_bytes_per_token_follow_k_and_dtype(full_cache):
     assert 8 * k + 4 < per_token < 8 * k + 4 + 40, per_token  # + input ids, positions and Arrow framing
 
 
+def test_a_float16_top_k_cache_trains_and_other_settings_never_mix_into_one_directory(tiny_pair, full_cache):
+    online, directory = full_cache["online"], full_cache["tmp"] / "k8_fp16"
+    manifest = write_teacher_cache(online, str(directory), top_k=8, shard_rows=16, log_prob_dtype="float16")
+    per_token = sum(s["bytes"] for s in manifest.shards) / sum(s["tokens"] for s in manifest.shards)
+    assert 8 * (4 + 2) + 4 < per_token < 8 * (4 + 2) + 4 + 40  # int32 ids, float16 log-probs, fp32 tail
+    cached = DistillationTrainer(tiny_pair["student"], args=make_config(full_cache["tmp"], "fp16", max_steps=2,
+                                 teacher_cache=str(directory)), train_dataset=full_cache["data"],
+                                 processing_class=full_cache["tok"])
+    cached.train()
+    kd = logged(cached.state.log_history, "kd_loss")
+    assert list(kd) == [1, 2] and all(0 < v < 10 for v in kd.values())
+    with pytest.raises(ValueError, match="holds a teacher cache with other settings .*top_k: 8 there, 16 now"):
+        write_teacher_cache(online, str(directory), top_k=16, shard_rows=16)
+
+
 # ---- Two processes, ZeRO-3 teacher: kill and resume `cache-teacher`, then train with no teacher on disk ----
 
 @pytest.mark.distributed
