@@ -219,7 +219,10 @@ def test_bytes_per_token_follow_k_and_dtype(full_cache):
 
 
 def test_a_float16_top_k_cache_trains_and_other_settings_never_mix_into_one_directory(tiny_pair, full_cache):
-    online, directory = full_cache["online"], full_cache["tmp"] / "k8_fp16"
+    directory = full_cache["tmp"] / "k8_fp16"
+    online = DistillationTrainer(tiny_pair["student"], args=make_config(  # a trainer made after the others
+        full_cache["tmp"], "online_fp16", teacher_model_name_or_path=tiny_pair["teacher"]),
+        train_dataset=full_cache["data"], processing_class=full_cache["tok"])
     manifest = write_teacher_cache(online, str(directory), top_k=8, shard_rows=16, log_prob_dtype="float16")
     per_token = sum(s["bytes"] for s in manifest.shards) / sum(s["tokens"] for s in manifest.shards)
     assert 8 * (4 + 2) + 4 < per_token < 8 * (4 + 2) + 4 + 40  # int32 ids, float16 log-probs, fp32 tail

@@ -424,32 +424,29 @@ def chunked_distillation_loss(
     s_flat = student_hidden.reshape(-1, h_s_dim)
     t_flat = teacher_hidden.detach().reshape(-1, h_t_dim)
     rows = None if mask is None else mask.reshape(-1).nonzero().squeeze(1)
-    n = s_flat.shape[0] if rows is None else rows.numel()
     if labels is not None:
         labels = labels.reshape(-1) if rows is None else labels.reshape(-1).index_select(0, rows)
-    if chunk_size is None:
-        chunk_size = max(1, _AUTO_CHUNK_ELEMENTS // v_s)
-    cfg = {
-        "grad_enabled": torch.is_grad_enabled(),
-        "loss_type": loss_type,
-        "beta": beta,
-        "skew_alpha": skew_alpha,
-        "temperature": temperature,
-        "vocab_size": vocab_size,
-        "chunk_size": min(chunk_size, max(n, 1)),
-        "s_scale": student_logit_scale,
-        "s_softcap": student_softcap,
-        "kd_grad": kd_grad,
-        "ce_grad": ce_grad,
-    }
     t_rows = t_flat if rows is None else t_flat.index_select(0, rows)
     t_bias = None if teacher_lm_head_bias is None else teacher_lm_head_bias.detach()
     compute = torch.promote_types(s_flat.dtype, torch.float32)
     teacher = DenseTeacherSignal(t_rows, teacher_lm_head_weight.detach(), t_bias, vocab_size, teacher_logit_scale,
                                  teacher_softcap, temperature, compute)
-    kd_sum, ce_sum = _ChunkedDistillation.apply(
-        s_flat, student_lm_head_weight, student_lm_head_bias, rows, labels, teacher, cfg
-    )
+    return _run_chunked(
+        s_flat, student_lm_head_weight, student_lm_head_bias, rows, labels, teacher, num_items_in_batch,
+        loss_type=loss_type, beta=beta, skew_alpha=skew_alpha, temperature=temperature, vocab_size=vocab_size,
+        chunk_size=chunk_size, s_scale=student_logit_scale, s_softcap=student_softcap, kd_grad=kd_grad,
+        ce_grad=ce_grad,
+    )  # fmt: skip
+
+
+def _run_chunked(s_flat, weight, bias, rows, labels, teacher, num_items_in_batch, *, chunk_size, **settings):
+    """Run `_ChunkedDistillation` over the selected rows of ``s_flat`` ``[N, H]`` against a teacher signal and
+    normalise its sums (see `chunked_distillation_loss`). ``settings``: the cfg keys the Function reads."""
+    n = s_flat.shape[0] if rows is None else rows.numel()
+    if chunk_size is None:
+        chunk_size = max(1, _AUTO_CHUNK_ELEMENTS // weight.shape[0])
+    cfg = {"grad_enabled": torch.is_grad_enabled(), "chunk_size": min(chunk_size, max(n, 1)), **settings}
+    kd_sum, ce_sum = _ChunkedDistillation.apply(s_flat, weight, bias, rows, labels, teacher, cfg)
     kd = _normalise(kd_sum, n, num_items_in_batch)
     ce = _normalise(ce_sum, n, num_items_in_batch) if labels is not None else None
     return DistillationLossOutput(kd, ce)

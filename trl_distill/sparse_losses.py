@@ -23,15 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .losses import (
-    _AUTO_CHUNK_ELEMENTS,
-    DistillationLossOutput,
-    _check_args,
-    _ChunkedDistillation,
-    _div,
-    _normalise,
-    per_token_divergence,
-)
+from .losses import DistillationLossOutput, _check_args, _div, _run_chunked, per_token_divergence
 
 __all__ = ["SparseTeacherSignal", "sparse_distillation_loss", "top_k_teacher_signal"]
 
@@ -142,16 +134,9 @@ def sparse_distillation_loss(
         labels = labels.reshape(-1) if rows is None else labels.reshape(-1).index_select(0, rows)
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
-    chunk_size = chunk_size or max(1, _AUTO_CHUNK_ELEMENTS // v_s)
-    cfg = {
-        "grad_enabled": torch.is_grad_enabled(), "loss_type": loss_type, "beta": beta, "skew_alpha": skew_alpha,
-        "temperature": temperature, "vocab_size": vocab_size, "chunk_size": min(chunk_size, max(n, 1)),
-        "s_scale": student_logit_scale, "s_softcap": student_softcap, "kd_grad": kd_grad, "ce_grad": ce_grad,
-    }  # fmt: skip
-    kd_sum, ce_sum = _ChunkedDistillation.apply(
-        s_flat, student_lm_head_weight, student_lm_head_bias, rows, labels, _SparseSignalChunks(teacher), cfg
-    )
-    kd = _normalise(kd_sum, n, num_items_in_batch)
-    ce = _normalise(ce_sum, n, num_items_in_batch) if labels is not None else None
-    return DistillationLossOutput(kd, ce)
-
+    return _run_chunked(
+        s_flat, student_lm_head_weight, student_lm_head_bias, rows, labels, _SparseSignalChunks(teacher),
+        num_items_in_batch, loss_type=loss_type, beta=beta, skew_alpha=skew_alpha, temperature=temperature,
+        vocab_size=vocab_size, chunk_size=chunk_size, s_scale=student_logit_scale, s_softcap=student_softcap,
+        kd_grad=kd_grad, ce_grad=ce_grad,
+    )  # fmt: skip
