@@ -185,12 +185,14 @@ def test_a_cache_that_does_not_fit_is_one_clear_error(tiny_pair, full_cache, cha
     data = synthetic_prompt_completion(32, seed=7) if kwargs.pop("data", None) else None
     if kwargs.pop("tok", None):  # same size, two ids swapped: the student still fits, the cached ids would not
         kwargs["tok"] = _swapped_ids(full_cache["tok"], "a", "b")
+    out = full_cache["tmp"] / "mismatch"
     with pytest.raises(ValueError, match=message):
         if kwargs.pop("eval_dataset", None):
             args = make_config(full_cache["tmp"], "eval", teacher_cache=str(full_cache["dir"]), eval_strategy="steps")
             DistillationTrainer(tiny_pair["student"], args=args, train_dataset=full_cache["data"],
                                 eval_dataset=full_cache["data"], processing_class=full_cache["tok"])
         cached_trainer(tiny_pair, full_cache, "mismatch", data=data, **kwargs)
+    assert not out.exists()  # nothing written
 
 
 def test_incomplete_or_missing_cache_and_unsupported_modes_are_refused(tiny_pair, full_cache, tmp_path):

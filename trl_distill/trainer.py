@@ -137,12 +137,12 @@ class DistillationTrainer(SFTTrainer):
         elif self.teacher is not None and not {"dtype", "torch_dtype"} & set(self.teacher.init_kwargs):
             self.teacher.init_kwargs["dtype"] = student.dtype
         teacher_config = student.config if self.teacher is None else self.teacher.config
-        self.vocab_size = self._shared_vocab_size(student.config, teacher_config, self.processing_class)
-        if self.teacher_cache is not None:
-            train_from_cache(self, self.teacher_cache)
-        elif not self._self_distillation:
-            check_tokenizers_match(self.processing_class, self.teacher.source)
         try:
+            self.vocab_size = self._shared_vocab_size(student.config, teacher_config, self.processing_class)
+            if self.teacher_cache is not None:
+                train_from_cache(self, self.teacher_cache)
+            elif not self._self_distillation:
+                check_tokenizers_match(self.processing_class, self.teacher.source)
             check_dataset_not_empty(self.train_dataset, "train", "prepared", args.max_length)
             evaluation = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
             for name, dataset in evaluation.items():
