@@ -43,9 +43,9 @@ lint: setup
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
 
-# Evidence that distillation works: KD vs SFT-only students on the bundled corpus, 3 seeds, through the CLI.
-# Writes benchmarks/quality/results/kd_vs_sft.{json,md,png}: about 15 min on 2 idle cores (estimated from 30
-# CPU-minutes; 25 min measured while other jobs shared the 2 cores).
+# Evidence that distillation works: KD vs SFT-only students on the Python stdlib's own source, 3 seeds, through the
+# CLI. Writes benchmarks/quality/results/kd_vs_sft.{json,md,png}: 24 CPU-minutes, 18.5 min measured on 2 cores
+# shared with other jobs (load average ~3); about 13-15 min on 2 idle cores (estimate).
 .PHONY: experiment
 experiment: setup
 	$(BIN)/python -m pip install --quiet -e ".[bench]"

@@ -1,22 +1,23 @@
 """Does distillation work? Students trained SFT-only vs distilled from a better teacher, on a real corpus.
 
-    make experiment          # about 15 min on 2 idle CPU cores (CPU time 30 min; 25 min wall on a shared machine)
+    make experiment          # 24 CPU-min; 18.5 min wall on 2 cores shared with other jobs (load ~3)
     python benchmarks/quality/kd_vs_sft.py [--smoke] [--output_dir DIR] [--work_dir DIR]
 
 Everything goes through the project's own trainer, from the `trl-distill` CLI (`python -m trl_distill`, one
 process, one thread per run, two runs at a time):
 
-1. A BPE tokenizer is trained on the train split of the bundled corpus (`examples/data/python_reference`, Python
-   Language Reference topics split by topic) only; the held-out topics are never seen before scoring.
-2. The teacher (the quickstart's size) is trained on the train split with ``--alpha 0``: pure cross-entropy SFT
-   through `DistillationTrainer`. The CLI needs some teacher even then; it gets an untrained student (the cheapest
-   model sharing the tokenizer), whose term alpha=0 multiplies by zero.
+1. The corpus: the Python standard library's own source (`stdlib_corpus.py`), split into train and held-out BY
+   FILE (hash of the path); the teacher's budget worth of train pieces and a small held-out sample are kept. A BPE
+   tokenizer is trained on the kept train pieces only; the held-out files are never seen before scoring.
+2. The teacher is trained on the train pieces with ``--alpha 0``, one pass: pure cross-entropy SFT through
+   `DistillationTrainer`. The CLI needs some teacher even then; it gets an untrained student (the cheapest model
+   sharing the tokenizer), whose term alpha=0 multiplies by zero.
 3. Students of one size, steps, batch, data and seeds: SFT-only (``--alpha 0``, dummy teacher as above) and
    distilled with forward_kl, reverse_kl and jsd at alpha 1.0 (pure KD) and 0.5 (KD + CE), temperature 1.
    Seed s fixes a student's initial weights (the same for every method) and the data order (``--seed s``).
-4. Once, with the teacher's own recipe (steps, batch): the student size alone (SFT only: what it reaches without a
-   teacher at the teacher's budget) and distilled with forward_kl at alpha 1.0 and 0.5.
-5. Checkpoints every few steps are scored on the held-out topics with the quickstart's `compare`: student
+4. Once, the reference: the student size alone (SFT only) with the teacher's steps and batch, at the students'
+   learning rate: what it reaches without a teacher at the teacher's budget (the smoke plan adds a KD run there).
+5. Checkpoints every few steps are scored on the held-out pieces with the quickstart's `compare`: student
    cross-entropy (perplexity), KL(teacher||student) and top-1 agreement with the teacher.
 
 Writes `kd_vs_sft.json`, `kd_vs_sft.md` (the table for the README) and `kd_vs_sft.png` to --output_dir
@@ -49,26 +50,32 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(HERE))
 
 from kd_vs_sft_report import markdown, plot, summarize  # noqa: E402
-from quickstart import CORPUS, MAX_LENGTH, SIZES, compare  # noqa: E402
+from quickstart import MAX_LENGTH, compare  # noqa: E402
+from stdlib_corpus import build as build_corpus  # noqa: E402
 
 from trl_distill.testing import build_tiny_model, build_tokenizer  # noqa: E402
 
 VOCAB_SIZE = 2048
+SIZES = {  # Llama configs. Shallow: at these step counts 4 layers learnt slower per step than 2 (see the README)
+    "teacher": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4),
+    "student": dict(hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2),
+}
 SFT = {"name": "sft", "divergence": "forward_kl", "alpha": 0.0}  # alpha 0: the divergence is never used
 METHODS = [SFT] + [
     {"name": f"{divergence}/a{alpha}", "divergence": divergence, "alpha": alpha}
     for divergence in ("forward_kl", "reverse_kl", "jsd")
     for alpha in (1.0, 0.5)
 ]
-# `long_methods`: also trained once (first seed's student, data seed 0) with the teacher's own recipe; "sft" there
-# is the reference: the student size alone with the teacher's budget.
+# The teacher reads each of its `train_pieces` once (one epoch: steps x batch pieces); students read a random part of
+# them. `long_methods`: also trained once (first seed's student, data seed 0) with the teacher's own recipe; "sft"
+# there is the reference: the student size alone with the teacher's budget.
 PLANS = {
-    "full": dict(seeds=[1, 2, 3], methods=[m["name"] for m in METHODS], vocab_size=VOCAB_SIZE,
-                 teacher_steps=600, teacher_batch=16, steps=300, batch=8, eval_every=50, heldout_texts=None,
-                 long_methods=["sft", "forward_kl/a1.0", "forward_kl/a0.5"]),
-    "smoke": dict(seeds=[1], methods=["sft", "forward_kl/a0.5"], vocab_size=512,
-                  teacher_steps=4, teacher_batch=4, steps=4, batch=4, eval_every=2, heldout_texts=8,
-                  long_methods=["sft", "forward_kl/a0.5"]),
+    "full": dict(seeds=[1, 2, 3], methods=[m["name"] for m in METHODS], vocab_size=VOCAB_SIZE, max_chars=352,
+                 teacher_steps=800, teacher_batch=16, teacher_learning_rate=2e-3, train_pieces=800 * 16,
+                 heldout_pieces=128, steps=300, batch=8, eval_every=60, long_methods=["sft"]),
+    "smoke": dict(seeds=[1], methods=["sft", "forward_kl/a0.5"], vocab_size=512, max_chars=352,
+                  teacher_steps=4, teacher_batch=4, teacher_learning_rate=2e-3, train_pieces=64, heldout_pieces=8,
+                  steps=4, batch=4, eval_every=2, long_methods=["sft", "forward_kl/a0.5"]),
 }
 # Shared by every CLI run (teacher, reference and students)
 TRAINING = dict(learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=20, temperature=1.0, max_length=MAX_LENGTH)
@@ -105,12 +112,13 @@ def n_params(path: Path) -> int:
     return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
 
 
-def cli(student: Path, teacher: Path, out: Path, *, steps: int, batch: int, seed: int, alpha: float,
-        divergence: str, save_every: int | None) -> float:
+def cli(student: Path, teacher: Path, out: Path, *, data: Path, steps: int, batch: int, seed: int, alpha: float,
+        divergence: str, save_every: int | None, learning_rate: float | None = None) -> float:
     """One `python -m trl_distill` run on one thread; returns its wall time. The log lands in `out`.log."""
-    args = dict(TRAINING, model_name_or_path=student, teacher_model_name_or_path=teacher, output_dir=out,
-                dataset_name=Path(CORPUS) / "train.jsonl", max_steps=steps, per_device_train_batch_size=batch,
-                seed=seed, alpha=alpha, divergence=divergence, logging_steps=max(1, steps // 6),
+    args = dict(TRAINING, learning_rate=learning_rate or TRAINING["learning_rate"], model_name_or_path=student,
+                teacher_model_name_or_path=teacher, output_dir=out, dataset_name=data, max_steps=steps,
+                per_device_train_batch_size=batch, seed=seed, alpha=alpha, divergence=divergence,
+                logging_steps=max(1, steps // 6),
                 save_strategy="steps" if save_every else "no", bf16=False, gradient_checkpointing=False,
                 report_to="none", disable_tqdm=True, use_cpu=True)
     if save_every:
@@ -163,7 +171,7 @@ def curve(out: Path, init: Path, heldout: SimpleNamespace) -> list[dict]:
 # ---- The experiment ----
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="KD vs SFT-only students on the bundled Python reference corpus")
+    parser = argparse.ArgumentParser(description="KD vs SFT-only students on the Python standard library's source")
     parser.add_argument("--smoke", action="store_true", help="a few steps, 1 seed, 2 methods (well under a minute)")
     parser.add_argument("--output_dir", default=str(HERE / "results"), help="where kd_vs_sft.{json,md,png} go")
     parser.add_argument("--work_dir", default=None, help="models, checkpoints, CLI logs (default outputs/kd_vs_sft)")
@@ -180,12 +188,19 @@ def main(argv: list[str] | None = None) -> None:
     transformers.utils.logging.disable_progress_bar()
     from datasets import load_dataset
 
-    corpus = load_dataset("json", data_files={s: os.path.join(CORPUS, f"{s}.jsonl") for s in ("train", "heldout")})
-    say(f"tokenizer on the {len(corpus['train'])} train pieces only; models -> {work}")
-    paths = prepare(work, plan, corpus["train"]["text"])
-    texts = corpus["heldout"]["text"][: plan["heldout_texts"]]
+    data = work / "corpus"
+    corpus_info = build_corpus(data, max_chars=plan["max_chars"], train_pieces=plan["train_pieces"],
+                               heldout_pieces=plan["heldout_pieces"])
+    corpus = load_dataset("json", data_files={s: str(data / f"{s}.jsonl") for s in ("train", "heldout")})
+    say(f"corpus: Python {corpus_info['python']} stdlib, {corpus_info['train_files']} train files "
+        f"({len(corpus['train'])} pieces kept), {corpus_info['heldout_files']} held-out files "
+        f"({len(corpus['heldout'])} pieces kept); tokenizer on the train pieces only; models -> {work}")
+    train_texts, texts = list(corpus["train"]["text"]), list(corpus["heldout"]["text"])
+    paths = prepare(work, plan, train_texts)
     runs, long_runs, info = experiment(plan, work, paths, texts, args.jobs)
-    report = {"settings": settings(plan, paths, len(corpus["train"]), len(texts)), **info, "runs": runs,
+    corpus_info["train_tokens"] = tokens(paths["teacher_init"], train_texts)
+    corpus_info["heldout_tokens"] = tokens(paths["teacher_init"], texts)
+    report = {"settings": settings(plan, paths, corpus_info), **info, "runs": runs,
               "summary": summarize(runs, plan["methods"]),
               "teacher_budget": {"runs": long_runs, "summary": summarize(long_runs, plan["long_methods"])},
               "wall_seconds": time.time() - _START, "machine": machine()}
@@ -201,7 +216,7 @@ def experiment(plan: dict, work: Path, paths: dict, texts: list[str], jobs: int)
     longest first; then the KD runs. Returns the students' runs, the runs at the teacher's budget, teacher info."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    teacher_dir, first = work / "teacher", plan["seeds"][0]
+    teacher_dir, first, data = work / "teacher", plan["seeds"][0], work / "corpus" / "train.jsonl"
     dummy = paths[f"student_init_{first}"]  # the teacher of alpha=0 runs: never used, only loaded
     short = dict(steps=plan["steps"], batch=plan["batch"], save_every=plan["eval_every"])
     long = dict(steps=plan["teacher_steps"], batch=plan["teacher_batch"], save_every=max(1, plan["teacher_steps"] // 3))
@@ -209,8 +224,9 @@ def experiment(plan: dict, work: Path, paths: dict, texts: list[str], jobs: int)
 
     def teacher_job() -> float:
         try:
-            seconds = cli(paths["teacher_init"], dummy, teacher_dir, steps=long["steps"], batch=long["batch"], seed=0,
-                          alpha=0.0, divergence="forward_kl", save_every=None)
+            seconds = cli(paths["teacher_init"], dummy, teacher_dir, data=data, steps=long["steps"],
+                          batch=long["batch"], seed=0, alpha=0.0, divergence="forward_kl", save_every=None,
+                          learning_rate=plan["teacher_learning_rate"])
             tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
             model = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
             heldout_ready.set_result(SimpleNamespace(teacher=TeacherLogits(model, tokenizer, texts),
@@ -227,8 +243,8 @@ def experiment(plan: dict, work: Path, paths: dict, texts: list[str], jobs: int)
         if method["alpha"] > 0:
             heldout_ready.result()  # wait for the trained teacher
             teacher = teacher_dir
-        seconds = cli(init, teacher, run_dir, seed=seed, alpha=method["alpha"], divergence=method["divergence"],
-                      **budget)
+        seconds = cli(init, teacher, run_dir, data=data, seed=seed, alpha=method["alpha"],
+                      divergence=method["divergence"], **budget)
         say(f"{group} {method['name']} seed {seed}: trained in {seconds:.0f} s")
         return {"method": method["name"], "divergence": method["divergence"], "alpha": method["alpha"], "seed": seed,
                 "init_seed": init_seed, "seconds": seconds, "dir": run_dir, "init": init}
@@ -256,10 +272,17 @@ def experiment(plan: dict, work: Path, paths: dict, texts: list[str], jobs: int)
     return runs["students"], runs["teacher_budget"], info
 
 
-def settings(plan: dict, paths: dict, n_train: int, n_heldout: int) -> dict:
+def tokens(model_dir: Path, texts: list[str]) -> int:
+    """Tokens the models read from `texts` (each truncated to MAX_LENGTH, as the CLI and the scoring do)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return sum(len(ids) for ids in tokenizer(texts, truncation=True, max_length=MAX_LENGTH)["input_ids"])
+
+
+def settings(plan: dict, paths: dict, corpus: dict) -> dict:
     return {**plan, "methods": [m for m in METHODS if m["name"] in plan["methods"]], "training": TRAINING,
-            "sizes": SIZES, "student_params": n_params(paths[f"student_init_{plan['seeds'][0]}"]),
-            "train_pieces": n_train, "heldout_pieces": n_heldout, "corpus": os.path.relpath(CORPUS, ROOT)}
+            "sizes": SIZES, "student_params": n_params(paths[f"student_init_{plan['seeds'][0]}"]), "corpus": corpus}
 
 
 def machine() -> dict:

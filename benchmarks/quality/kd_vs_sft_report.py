@@ -90,18 +90,23 @@ def findings(report: dict) -> list[str]:
 
 def markdown(report: dict) -> str:
     s = report["settings"]
-    t, sizes = s["training"], s["sizes"]
+    t, sizes, c = s["training"], s["sizes"], s["corpus"]
     head = [
         "# Distillation vs SFT-only on a real corpus",
         "",
-        f"Corpus: `{s['corpus']}` (Python Language Reference topics, split by topic: {s['train_pieces']} train "
-        f"pieces, {s['heldout_pieces']} held-out pieces). BPE tokenizer (vocabulary {s['vocab_size']}) trained on "
-        f"the train split only; sequences of up to {t['max_length']} tokens. Every model is trained by the "
+        f"Corpus: the source of the Python {c['python']} standard library (`*.py`, built by `stdlib_corpus.py`; no "
+        f"tests, demos or data tables), split {c['split']}: {c['train_files']} train files, {c['heldout_files']} "
+        f"held-out files, cut into pieces of whole lines of up to {c['max_chars']} characters. Kept: "
+        f"{c['train_pieces']} train pieces ({c['train_tokens'] / 1e6:.2f}M tokens, drawn from "
+        f"{c['train_files_used']} files) and {c['heldout_pieces']} held-out pieces ({c['heldout_tokens']} tokens, "
+        f"from {c['heldout_files_used']} files) for scoring. BPE tokenizer (vocabulary {s['vocab_size']}) trained on "
+        f"the kept train pieces only; sequences of up to {t['max_length']} tokens. Every model is trained by the "
         "`trl-distill` CLI (`DistillationTrainer`, 1 process, 1 thread, fp32, CPU).",
         "",
         f"Teacher: Llama, hidden {sizes['teacher']['hidden_size']} × {sizes['teacher']['num_hidden_layers']} layers, "
         f"{report['teacher']['params'] / 1e6:.2f}M parameters, {s['teacher_steps']} steps × batch "
-        f"{s['teacher_batch']} of cross-entropy (`--alpha 0`). Students: hidden {sizes['student']['hidden_size']} × "
+        f"{s['teacher_batch']} of cross-entropy (`--alpha 0`, learning rate {s['teacher_learning_rate']:g}), one pass "
+        f"over the train pieces. Students: hidden {sizes['student']['hidden_size']} × "
         f"{sizes['student']['num_hidden_layers']} layers, {s['student_params'] / 1e6:.2f}M parameters, "
         f"{s['steps']} steps × batch {s['batch']}, learning rate {t['learning_rate']:g} ({t['lr_scheduler_type']}, "
         f"{t['warmup_steps']} warm-up steps), temperature {t['temperature']:g}, seeds {s['seeds']} (a seed fixes "
@@ -114,7 +119,7 @@ def markdown(report: dict) -> str:
     long = report["teacher_budget"]["summary"]
     middle = ["", f"At the teacher's own budget ({s['teacher_steps']} steps × batch {s['teacher_batch']}, the "
               f"initial student of seed {s['seeds'][0]}, one data order): the SFT-only row is the student size "
-              "trained alone like the teacher.", "", *table(long)] if long else []
+              "trained alone like the teacher (at the students' learning rate).", "", *table(long)] if long else []
     machine = report["machine"]
     tail = ["", *findings(report), "",
             f"Whole experiment: {report['wall_seconds'] / 60:.1f} min wall, {machine['cpu_seconds'] / 60:.1f} CPU-min, "
