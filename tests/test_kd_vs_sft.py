@@ -12,7 +12,7 @@ import pytest
 QUALITY = Path(__file__).parent.parent / "benchmarks" / "quality"
 sys.path.insert(0, str(QUALITY))
 
-from kd_vs_sft_report import markdown, summarize  # noqa: E402
+from kd_vs_sft_report import README_END, README_START, markdown, summarize, update_readme  # noqa: E402
 
 METRICS = {"ce", "ppl", "kl_to_teacher", "top1_agreement"}
 
@@ -79,3 +79,9 @@ def test_smoke_run_writes_json_table_and_plot(tmp_path):
     assert table == markdown(report)
     assert (out / "kd_vs_sft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert committed == {p: p.stat().st_mtime_ns for p in (QUALITY / "results").glob("*")}  # left alone
+    readme = tmp_path / "README.md"  # the full run writes its table between the README's markers
+    readme.write_text(f"intro\n{README_START}\nold table\n{README_END}\nafter\n")
+    assert update_readme(report, readme)
+    text = readme.read_text()
+    assert "old table" not in text and text.startswith("intro\n") and text.endswith(f"{README_END}\nafter\n")
+    assert "| forward_kl α=0.5 (+CE) |" in text and f"{report['teacher']['heldout']['ce']:.3f}" in text

@@ -49,7 +49,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(HERE))
 
-from kd_vs_sft_report import markdown, plot, summarize  # noqa: E402
+from kd_vs_sft_report import markdown, plot, summarize, update_readme  # noqa: E402
 from quickstart import MAX_LENGTH, compare  # noqa: E402
 from stdlib_corpus import build as build_corpus  # noqa: E402
 
@@ -176,9 +176,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output_dir", default=str(HERE / "results"), help="where kd_vs_sft.{json,md,png} go")
     parser.add_argument("--work_dir", default=None, help="models, checkpoints, CLI logs (default outputs/kd_vs_sft)")
     parser.add_argument("--jobs", type=int, default=2, help="CLI runs at a time, one thread each")
+    parser.add_argument("--report_only", action="store_true",
+                        help="write the md, png and README table again from output_dir/kd_vs_sft.json")
     args = parser.parse_args(argv)
     plan = PLANS["smoke" if args.smoke else "full"]
     out = Path(args.output_dir).resolve()
+    if args.report_only:
+        return write_report(json.loads((out / "kd_vs_sft.json").read_text()), out, readme=not args.smoke)
     work = Path(args.work_dir or ROOT / "outputs" / ("kd_vs_sft_smoke" if args.smoke else "kd_vs_sft")).resolve()
     torch.set_num_threads(1)
     import datasets
@@ -206,9 +210,16 @@ def main(argv: list[str] | None = None) -> None:
               "wall_seconds": time.time() - _START, "machine": machine()}
     out.mkdir(parents=True, exist_ok=True)
     (out / "kd_vs_sft.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_report(report, out, readme=not args.smoke)
+
+
+def write_report(report: dict, out: Path, readme: bool) -> None:
+    """kd_vs_sft.md and kd_vs_sft.png in `out` and, for the full experiment, the README's table."""
     (out / "kd_vs_sft.md").write_text(markdown(report))
     plot(report, out / "kd_vs_sft.png")
-    say(f"wrote {out}/kd_vs_sft.{{json,md,png}}\n\n{markdown(report)}")
+    if readme:
+        update_readme(report, ROOT / "README.md")
+    say(f"wrote {out}/kd_vs_sft.{{json,md,png}}{' and the README table' if readme else ''}\n\n{markdown(report)}")
 
 
 def experiment(plan: dict, work: Path, paths: dict, texts: list[str], jobs: int) -> tuple[list, list, dict]:

@@ -173,3 +173,31 @@ def plot(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+README_START, README_END = "<!-- experiment:kd_vs_sft:start -->", "<!-- experiment:kd_vs_sft:end -->"
+
+
+def readme_block(report: dict) -> str:
+    """The README's table (between its markers): the students' table and what the teacher and the run were."""
+    s, machine = report["settings"], report["machine"]
+    teacher, ref = report["teacher"]["heldout"], report["reference_student"]["heldout"]
+    return "\n".join([
+        f"Run of {machine['date'][:10]} (Python {s['corpus']['python']}): {report['wall_seconds'] / 60:.1f} min wall, "
+        f"{machine['cpu_seconds'] / 60:.1f} CPU-min on {machine['cpus']} cores (load average "
+        f"{machine['load_average_1_5_15'][2]:.1f} over the last 15 min). Teacher held-out CE {teacher['ce']:.3f}; the "
+        f"student size trained alone with the teacher's budget {ref['ce']:.3f}. Students after {s['steps']} steps, "
+        f"mean ± sd over seeds {s['seeds']}:",
+        "",
+        *table(report["summary"]),
+    ])
+
+
+def update_readme(report: dict, readme: Path) -> bool:
+    """Replace the block between the README's markers with `readme_block`; False when there are no markers."""
+    text = readme.read_text()
+    if README_START not in text or README_END not in text:
+        return False
+    head, rest = text.split(README_START, 1)
+    readme.write_text(f"{head}{README_START}\n{readme_block(report)}\n{README_END}{rest.split(README_END, 1)[1]}")
+    return True
