@@ -27,7 +27,7 @@ bench-loss: setup
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	$(BIN)/python benchmarks/loss_memory.py
 
-# trl_distill vs TRL's GKDTrainer vs a bare PyTorch loop: teacher memory, peak RSS, tokens/s (about 11 minutes on 2 idle cores)
+# trl_distill vs TRL's GKDTrainer vs a bare PyTorch loop: teacher memory, peak RSS, tokens/s (about 9 minutes on 2 idle cores)
 bench: setup
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/trainers.py
