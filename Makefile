@@ -44,8 +44,8 @@ clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
 
 # Evidence that distillation works: KD vs SFT-only students on the Python stdlib's own source, 3 seeds, through the
-# CLI. Writes benchmarks/quality/results/kd_vs_sft.{json,md,png}: 24 CPU-minutes, 18.5 min measured on 2 cores
-# shared with other jobs (load average ~3); about 13-15 min on 2 idle cores (estimate).
+# CLI. Writes benchmarks/quality/results/kd_vs_sft.{json,md,png} and the README table: 19 CPU-minutes; 15.8 min wall
+# measured on a fresh clone with the 2 cores partly shared (load average 3).
 .PHONY: experiment
 experiment: setup
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
