@@ -37,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+from memory_probe import reset_peak_rss  # benchmarks/memory_probe.py (the script's folder)
+
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 GIB = 1 << 30
@@ -53,15 +55,6 @@ def _status_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     return -1
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def worker(spec: dict) -> dict:
@@ -101,7 +94,7 @@ def worker(spec: dict) -> dict:
     n, v, h = spec["N"], spec["V"], spec["H"]
     tensors = inputs(n, v, h)
     resource.setrlimit(resource.RLIMIT_AS, (_status_kib("VmSize") * 1024 + spec["as_limit_gib"] * GIB, -1))
-    reset_ok = _reset_peak()
+    reset_ok = reset_peak_rss()
     rss_before = _status_kib("VmRSS")
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()

@@ -27,6 +27,7 @@ import sys
 import time
 
 import torch
+from memory_probe import reset_peak_rss  # benchmarks/memory_probe.py (the script's folder)
 
 KIB = 1024
 
@@ -42,20 +43,11 @@ def _status() -> dict[str, int]:
     return out
 
 
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def probe(rec: dict, name: str, reset: bool = False) -> None:
     """Record VmRSS, VmHWM and ru_maxrss (bytes) under `name`; optionally reset the high-water mark after."""
     rec["memory"][name] = {**_status(), "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KIB}
     if reset:
-        rec["memory"][name]["hwm_reset"] = _reset_hwm()
+        rec["memory"][name]["hwm_reset"] = reset_peak_rss()
 
 
 def teacher_bytes(module: torch.nn.Module) -> dict[str, int]:

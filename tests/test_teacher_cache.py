@@ -206,6 +206,8 @@ def test_incomplete_or_missing_cache_and_unsupported_modes_are_refused(tiny_pair
                                          full_cache["online"].train_dataset)
     with pytest.raises(ValueError, match="has no manifest.json"):
         TeacherCache(tmp_path)
+    with pytest.raises(FileNotFoundError, match="is not a directory. Write the cache first"):
+        TeacherCache(tmp_path / "missing")
     for bad in (dict(lmbda=0.5), dict(seq_kd=True), dict(packing=True)):
         with pytest.raises(ValueError, match="teacher cache"):
             make_config(tmp_path, "bad", teacher_cache=str(full_cache["dir"]), **bad)

@@ -40,7 +40,8 @@ class TeacherCache:
         self.table = None
 
     def check_fits(self, tokenizer, vocab_size: int, temperature: float, max_length: int | None, dataset) -> None:
-        """One clear error when this cache was written for another tokenizer, data, max length or temperature."""
+        """One clear error when this cache was written for another tokenizer, data, max length or temperature;
+        otherwise map its shards for `signal`."""
         check_fits(self.manifest, self.directory, tokenizer_hash=tokenizer_hash(tokenizer), vocab_size=vocab_size,
                    temperature=temperature, max_length=max_length, dataset=dataset)
         shards = sorted(self.manifest.shards, key=lambda s: s["index"])
