@@ -44,10 +44,8 @@ def main():
         warmup_steps=10,
         logging_steps=25,
         save_strategy="no",
-        bf16=False,
         gradient_checkpointing=False,
         report_to="none",
-        disable_tqdm=True,
     )
     trainer = DistillationTrainer(
         args.student, args.teacher, args=config, train_dataset=dataset, processing_class=tokenizer

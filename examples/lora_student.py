@@ -44,7 +44,6 @@ def main():
         learning_rate=1e-3,  # LoRA usually wants a larger rate than full fine-tuning
         logging_steps=10,
         save_steps=max(args.max_steps // 2, 1),
-        bf16=False,  # CPU; on GPUs use bf16=True
         gradient_checkpointing=False,
         report_to="none",
     )

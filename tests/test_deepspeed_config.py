@@ -72,8 +72,24 @@ def test_missing_file_is_a_clear_error(tmp_path):
 
 def test_json_string_and_unfillable_auto():
     assert load_deepspeed_config(json.dumps({"a": 1})) == {"a": 1}
-    with pytest.raises(ValueError, match="zero_optimization.sub_group_size"):
-        build_teacher_config({"zero_optimization": {"stage": 3, "sub_group_size": "auto"}}, None, ARGS, 64)
+    with pytest.raises(ValueError, match="zero_optimization.offload_param.device"):
+        build_teacher_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "auto"}}}, None, ARGS, 64)
+
+
+def test_other_zero_autos_get_deepspeeds_defaults_and_say_so():
+    """accelerate's multi-model guide leaves stage3_max_live_parameters / _reuse_distance at "auto"."""
+    notes = []
+    zero = {"stage": 3, "stage3_max_live_parameters": "auto", "stage3_max_reuse_distance": "auto",
+            "sub_group_size": "auto", "stage3_prefetch_bucket_size": "auto"}
+    cfg = build_teacher_config({"zero_optimization": zero, "train_micro_batch_size_per_gpu": 1}, None, ARGS, 64,
+                               notes=notes)
+    z = cfg["zero_optimization"]
+    assert (z["stage3_max_live_parameters"], z["stage3_max_reuse_distance"], z["sub_group_size"]) == (10**9,) * 3
+    assert z["stage3_prefetch_bucket_size"] == int(0.9 * 64 * 64)  # ours, from the teacher's hidden size
+    assert notes == ["'auto' filled with DeepSpeed's defaults: {'stage3_max_live_parameters': 1000000000, "
+                     "'stage3_max_reuse_distance': 1000000000, 'sub_group_size': 1000000000}"]
+    # the guide fixes the teacher's micro batch at 1: the batch size follows it, or DeepSpeed refuses the config
+    assert cfg["train_batch_size"] == 1 * ARGS.gradient_accumulation_steps * getattr(ARGS, "world_size", 1)
 
 
 def test_derived_precision_follows_the_student():

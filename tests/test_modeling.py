@@ -22,10 +22,10 @@ def test_fused_forward_returns_what_the_loss_callable_returns():
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         logits = model(ids).logits  # unchanged without the keyword
-        hidden = model(ids, labels=ids, fused_distillation=lambda h, m: h)
-        head = LMHead.of(model)
-        assert torch.allclose(hidden @ head.weight.T, logits, atol=1e-6)
-        assert model(ids, fused_distillation=lambda h, m: m) is model
+        features = model(ids, labels=ids, fused_distillation=lambda f: f)
+        assert torch.allclose(features.states @ features.head.weight.T, logits, atol=1e-6)
+        kept = model(ids, fused_distillation=lambda f: f, loss_positions=torch.tensor([1, 3]))
+        assert torch.equal(kept.states, features.states[:, [1, 3]])
 
 
 def test_lm_head_transforms_read_from_the_config():
@@ -46,7 +46,7 @@ def test_lm_head_transform_reproduces_the_model_logits():
         head = LMHead.of(model)
         with torch.no_grad():
             logits = model(ids).logits
-            z = model(ids, fused_distillation=lambda h, m: h) @ head.weight.T
+            z = model(ids, fused_distillation=lambda f: f.states) @ head.weight.T
             if head.logit_scale is not None:
                 z = z * head.logit_scale
             if head.softcap is not None:

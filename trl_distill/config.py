@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +11,7 @@ from trl import SFTConfig
 from .deepspeed_config import load_deepspeed_config
 from .distributed import prepare_cpu_distributed_state
 from .losses import LOSS_TYPES
+from .precision import settle_precision
 from .validation import refuse_quantization_without_gpu
 
 
@@ -169,9 +171,31 @@ class DistillationConfig(SFTConfig):
                              "holds one row per unpacked example. Set packing=False and padding_free=False.")
         for name in ("model_init_kwargs", "teacher_model_init_kwargs"):
             refuse_quantization_without_gpu(getattr(self, name), name)
-        self.deepspeed = _lenient_deepspeed(self.deepspeed)
+        self.deepspeed = _lenient_deepspeed(self.deepspeed if self.deepspeed else _accelerate_deepspeed_file())
+        _use_activation_checkpointing_names(self)
+        settle_precision(self)
         prepare_cpu_distributed_state(self)
         super().__post_init__()
+
+
+def _use_activation_checkpointing_names(args) -> None:
+    """TRL's config sets `gradient_checkpointing` (default True), which transformers 5.24 renamed
+    `activation_checkpointing` and warns about on every config built. Carry the value over under the new name, as
+    transformers itself does (same meaning, no warning the user could act on)."""
+    for old, new in (("gradient_checkpointing", "activation_checkpointing"),
+                     ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+        if hasattr(args, new) and getattr(args, new) is None and getattr(args, old, None) is not None:
+            setattr(args, new, getattr(args, old))
+
+
+def _accelerate_deepspeed_file() -> str | None:
+    """The student's DeepSpeed JSON named by `accelerate launch` (``deepspeed_config_file`` in its config, or
+    ``--deepspeed_config_file``). Read here like `deepspeed=` so that trailing commas are accepted and ``"auto"`` is
+    filled from these arguments; transformers would hand the path to accelerate, which reads it strictly."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() not in ("1", "true", "yes"):
+        return None
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    return path if path and os.path.isfile(path) else None
 
 
 def _lenient_deepspeed(config):

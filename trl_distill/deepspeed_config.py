@@ -76,6 +76,24 @@ def _fill(config: dict, dotted_key: str, value: Any) -> None:
         node[leaf] = value
 
 
+def _fill_zero_defaults(config: dict) -> dict[str, int]:
+    """Replace ``"auto"`` values left in ``zero_optimization`` by DeepSpeed's defaults for those keys (read from its
+    `DeepSpeedZeroConfig` fields, by name or alias; checked against deepspeed 0.19.8). Returns what was filled."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    zero = config.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return {}
+    fields = {f.alias or name: f for name, f in DeepSpeedZeroConfig.model_fields.items()}
+    fields.update(DeepSpeedZeroConfig.model_fields)
+    filled = {}
+    for key, value in zero.items():
+        default = getattr(fields.get(key), "default", None)
+        if value == "auto" and isinstance(default, int) and not isinstance(default, bool):
+            zero[key] = filled[key] = int(default)
+    return filled
+
+
 def _remaining_auto(config: Any, prefix: str = "") -> list[str]:
     if isinstance(config, dict):
         return [k for key, v in config.items() for k in _remaining_auto(v, f"{prefix}{key}.")]
@@ -87,6 +105,7 @@ def build_teacher_config(
     student_config: dict | None,
     args,
     teacher_hidden_size: int,
+    notes: list[str] | None = None,
 ) -> dict:
     """The teacher's effective DeepSpeed config.
 
@@ -96,6 +115,10 @@ def build_teacher_config(
         student_config: the student's DeepSpeed config (only its precision blocks are read).
         args: the `TrainingArguments` the student trains with; ``"auto"`` values come from them.
         teacher_hidden_size: the teacher's hidden size, for the ZeRO-3 bucket sizes.
+        notes: where to append a line saying which values were filled with DeepSpeed's defaults.
+
+    Other ``"auto"`` values of the ZeRO block (e.g. ``stage3_max_live_parameters`` in accelerate's multi-model guide)
+    get DeepSpeed's own defaults, as if the key were absent.
     """
     config = load_deepspeed_config(teacher_config) if teacher_config is not None else None
     if config is None:
@@ -112,10 +135,15 @@ def build_teacher_config(
             "Use stage 3 to partition it across ranks."
         )
     world_size = getattr(args, "world_size", 1)
-    micro_batch = max(args.per_device_train_batch_size, args.per_device_eval_batch_size)
-    _fill(config, "train_micro_batch_size_per_gpu", micro_batch)
+    _fill(config, "train_micro_batch_size_per_gpu", max(args.per_device_train_batch_size,
+                                                         args.per_device_eval_batch_size))
     _fill(config, "gradient_accumulation_steps", args.gradient_accumulation_steps)
-    _fill(config, "train_batch_size", micro_batch * args.gradient_accumulation_steps * world_size)
+    # DeepSpeed checks train_batch_size == micro batch × accumulation × world size: follow the config's own values
+    # (accelerate's guide fixes the teacher's micro batch at 1 whatever the student's is)
+    micro_batch = config.get("train_micro_batch_size_per_gpu")
+    accumulation = config.get("gradient_accumulation_steps")
+    if isinstance(micro_batch, int) and isinstance(accumulation or 1, int):
+        _fill(config, "train_batch_size", micro_batch * (accumulation or 1) * world_size)
     _fill(config, "gradient_clipping", args.max_grad_norm)
     _fill(config, "bf16.enabled", bool(args.bf16 or args.bf16_full_eval))
     _fill(config, "fp16.enabled", bool(args.fp16 or args.fp16_full_eval))
@@ -124,6 +152,9 @@ def build_teacher_config(
     if stage == 3:
         _fill(config, "zero_optimization.stage3_prefetch_bucket_size", int(0.9 * h * h))
         _fill(config, "zero_optimization.stage3_param_persistence_threshold", 10 * h)
+    filled = _fill_zero_defaults(config)
+    if filled and notes is not None:
+        notes.append(f"'auto' filled with DeepSpeed's defaults: {filled}")
     left = _remaining_auto(config)
     if left:
         raise ValueError(

@@ -29,7 +29,8 @@ def _deepspeed_requested(args) -> bool:
     return bool(getattr(args, "deepspeed", None)) or str_to_bool(os.environ.get("ACCELERATE_USE_DEEPSPEED", "false"))
 
 
-def _has_accelerator() -> bool:
+def has_accelerator() -> bool:
+    """A CUDA (or ROCm) or XPU device is visible."""
     return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
 
 
@@ -72,7 +73,7 @@ def prepare_cpu_distributed_state(args) -> None:
     DeepSpeed's process group uninitialised until the first engine, so a teacher loaded under `zero.Init`
     would see a world size of 1.
     """
-    if _has_accelerator():
+    if has_accelerator():
         return
     if not _deepspeed_requested(args):
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -15,11 +15,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .modeling import finalise_logits
+
 __all__ = [
     "LOSS_TYPES",
     "DistillationLossOutput",
     "chunked_distillation_loss",
     "chunked_divergence",
+    "default_chunk_size",
     "divergence",
     "forward_kl",
     "jsd",
@@ -186,15 +189,6 @@ class DistillationLossOutput(NamedTuple):
     ce: Tensor | None
 
 
-def _finalise_logits(logits: Tensor, scale: float | None, softcap: float | None) -> Tensor:
-    """Apply the model's logit scale (multiply) and final-logit softcapping ``c·tanh(x / c)``."""
-    if scale is not None:
-        logits = logits * scale
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    return logits
-
-
 def _forward_kl_closed_form(s_logits: Tensor, t_logp: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
     """Σ_rows KL(p ‖ q) and its gradient w.r.t. ``s_logits``, (q − p) / T, without autograd (autograd: q·Σp − p).
 
@@ -207,9 +201,15 @@ def _forward_kl_closed_form(s_logits: Tensor, t_logp: Tensor, temperature: float
     return kd, grad if temperature == 1.0 else grad.div_(temperature)
 
 
-def _backprop(g: Tensor, hs: Tensor, weight: Tensor, gh: Tensor | None, gw: Tensor | None, gb: Tensor | None) -> None:
+def _backprop(g: Tensor, hs: Tensor, weight: Tensor | None, gh: Tensor | None, gw: Tensor | None,
+              gb: Tensor | None) -> None:
     """From ``g`` = d(chunk loss)/d(logits) ``[c, V]``: ``gh = g @ W``, ``gw += g.T @ hs``, ``gb += g.sum(0)``.
-    Matmuls run in the weight's dtype, the ``gw``/``gb`` sums in theirs (>= fp32)."""
+    Matmuls run in the weight's dtype, the ``gw``/``gb`` sums in theirs (>= fp32). No weight: ``hs`` are the logits
+    themselves and ``gh = g``."""
+    if weight is None:
+        if gh is not None:
+            gh.copy_(g)
+        return
     g_low, hs_low = g.to(weight.dtype), hs.to(weight.dtype)
     if gh is not None and gh.dtype == g_low.dtype:
         torch.mm(g_low, weight, out=gh)
@@ -226,18 +226,23 @@ def _backprop(g: Tensor, hs: Tensor, weight: Tensor, gh: Tensor | None, gw: Tens
 class DenseTeacherSignal:
     """The teacher side of the chunked loss from its hidden states: log-probs ``[c, vocab]`` one chunk at a time.
 
-    ``hidden`` ``[n, H_t]`` holds the selected rows only; the lm_head's first ``vocab`` rows are used."""
+    ``hidden`` ``[n, H_t]`` holds the selected rows only; the lm_head's first ``vocab`` rows are used. Without a
+    weight, ``hidden`` ``[n, V_t]`` are the teacher's own logits."""
 
     closed_form = True  # the chunk is full log-probs: the forward KL gradient has a closed form
 
     def __init__(self, hidden, weight, bias, vocab, scale, softcap, temperature, compute):
-        self.hidden, self.weight, self.vocab = hidden, weight[:vocab], vocab
+        self.hidden, self.vocab = hidden, vocab
+        self.weight = None if weight is None else weight[:vocab]
         self.bias = None if bias is None else bias[:vocab]
         self.scale, self.softcap, self.temperature, self.compute = scale, softcap, temperature, compute
 
     def chunk(self, rows: slice) -> Tensor:
-        logits = F.linear(self.hidden[rows], self.weight, self.bias).to(self.compute)
-        return F.log_softmax(_div(_finalise_logits(logits, self.scale, self.softcap), self.temperature), dim=-1)
+        if self.weight is None:
+            logits = self.hidden[rows, : self.vocab].to(self.compute)
+        else:
+            logits = F.linear(self.hidden[rows], self.weight, self.bias).to(self.compute)
+        return F.log_softmax(_div(finalise_logits(logits, self.scale, self.softcap), self.temperature), dim=-1)
 
     @staticmethod
     def per_token(student_logp: Tensor, teacher_logp: Tensor, cfg: dict) -> Tensor:
@@ -257,8 +262,8 @@ class _ChunkedDistillation(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx,
-        s_hidden: Tensor,  # [N, H_s]
-        s_weight: Tensor,  # [V_s, H_s]
+        s_hidden: Tensor,  # [N, H_s], or the student's own logits [N, V_s] when s_weight is None
+        s_weight: Tensor | None,  # [V_s, H_s]
         s_bias: Tensor | None,  # [V_s]
         rows: Tensor | None,  # [n] int64 indices of the rows carrying loss (None = all)
         labels: Tensor | None,  # [n] int64 targets for CE
@@ -276,10 +281,9 @@ class _ChunkedDistillation(torch.autograd.Function):
         # A term whose weight is 0 (alpha = 1 or 0) is still computed for logging, but gets no gradient buffers.
         kd_grad, ce_grad = cfg["kd_grad"], cfg["ce_grad"] and has_ce
         want_grad = (need_h or need_w or need_b) and (kd_grad or ce_grad)
-        w_dtype = s_weight.dtype
         # d kd / d logits in closed form
         closed_form = want_grad and kd_grad and cfg["loss_type"] == "forward_kl" and teacher.closed_form
-        g_cols = s_weight.shape[0]
+        g_cols = h_s.shape[1] if s_weight is None else s_weight.shape[0]
 
         # Per-row grads are written once (rows never repeat); weight/bias grads are accumulated in >= fp32.
         need_h, need_w, need_b = (want_grad and x for x in (need_h, need_w, need_b))
@@ -296,10 +300,13 @@ class _ChunkedDistillation(torch.autograd.Function):
             rows_c = slice(start, start + cfg["chunk_size"])
             hs = h_s[rows_c]
             signal = teacher.chunk(rows_c)
-            raw = F.linear(hs, s_weight, s_bias).to(compute)  # [c, V_s], made a leaf below
+            if s_weight is None:  # the model's own logits: a copy, so nothing below writes into them
+                raw = hs.detach().to(compute, copy=True)
+            else:
+                raw = F.linear(hs, s_weight, s_bias).to(compute)  # [c, V_s], made a leaf below
             with torch.set_grad_enabled(want_grad):
                 raw.requires_grad_(want_grad)
-                logits = _finalise_logits(raw, cfg["s_scale"], cfg["s_softcap"])
+                logits = finalise_logits(raw, cfg["s_scale"], cfg["s_softcap"])
                 if closed_form:
                     with torch.no_grad():
                         kd, g = _forward_kl_closed_form(logits[:, :vocab], signal, temperature)
@@ -331,7 +338,7 @@ class _ChunkedDistillation(torch.autograd.Function):
                 _backprop(g, hs, s_weight, None if gh is None else gh[rows_c], gw, gb)
 
         # Keep the saved grads in the input dtypes (halves the saved [V, H] buffers for bf16 models).
-        gw_kd, gw_ce = (None if x is None else x.to(w_dtype) for x in (gw_kd, gw_ce))
+        gw_kd, gw_ce = (None if x is None else x.to(s_weight.dtype) for x in (gw_kd, gw_ce))
         gb_kd, gb_ce = (None if x is None else x.to(s_bias.dtype) for x in (gb_kd, gb_ce))
         ctx.save_for_backward(rows, gh_kd, gh_ce, gw_kd, gw_ce, gb_kd, gb_ce)
         ctx.hidden_shape = s_hidden.shape
@@ -360,9 +367,9 @@ class _ChunkedDistillation(torch.autograd.Function):
 
 def chunked_distillation_loss(
     student_hidden: Tensor,
-    student_lm_head_weight: Tensor,
+    student_lm_head_weight: Tensor | None,
     teacher_hidden: Tensor,
-    teacher_lm_head_weight: Tensor,
+    teacher_lm_head_weight: Tensor | None,
     mask: Tensor | None = None,
     loss_type: str = "forward_kl",
     *,
@@ -393,15 +400,17 @@ def chunked_distillation_loss(
     >= fp32. Grads reach the student hidden (and weight/bias if they require grad); teacher inputs never get
     grads. A frozen student weight (``requires_grad=False``) gets no weight-grad buffer. ``kd_grad=False`` /
     ``ce_grad=False``: that term is returned for logging but gets no gradient (and no gradient buffers), for a
-    loss that weights it 0 (``alpha`` = 0 or 1).
+    loss that weights it 0 (``alpha`` = 0 or 1). A weight of None means that side's "hidden" states are already its
+    logits ``[..., V]`` (a model's own, see `trl_distill.logit_check`): they are used as they are (no bias, scale or
+    softcap is applied), chunk by chunk all the same.
     """
     _check_args(loss_type, beta, skew_alpha, temperature)
-    v_s, h_s_dim = student_lm_head_weight.shape
-    v_t, h_t_dim = teacher_lm_head_weight.shape
+    v_s, h_s_dim = _head_shape(student_hidden, student_lm_head_weight)
+    v_t, h_t_dim = _head_shape(teacher_hidden, teacher_lm_head_weight)
     if student_hidden.shape[-1] != h_s_dim or teacher_hidden.shape[-1] != h_t_dim:
         raise ValueError(
             f"hidden sizes {student_hidden.shape[-1]} / {teacher_hidden.shape[-1]} do not match the lm_head "
-            f"weights {tuple(student_lm_head_weight.shape)} / {tuple(teacher_lm_head_weight.shape)}."
+            f"weights {(v_s, h_s_dim)} / {(v_t, h_t_dim)}."
         )
     lead = student_hidden.shape[:-1]
     if teacher_hidden.shape[:-1] != lead:
@@ -429,8 +438,9 @@ def chunked_distillation_loss(
     t_rows = t_flat if rows is None else t_flat.index_select(0, rows)
     t_bias = None if teacher_lm_head_bias is None else teacher_lm_head_bias.detach()
     compute = torch.promote_types(s_flat.dtype, torch.float32)
-    teacher = DenseTeacherSignal(t_rows, teacher_lm_head_weight.detach(), t_bias, vocab_size, teacher_logit_scale,
-                                 teacher_softcap, temperature, compute)
+    t_weight = None if teacher_lm_head_weight is None else teacher_lm_head_weight.detach()
+    teacher = DenseTeacherSignal(t_rows, t_weight, t_bias, vocab_size, teacher_logit_scale, teacher_softcap,
+                                 temperature, compute)
     return _run_chunked(
         s_flat, student_lm_head_weight, student_lm_head_bias, rows, labels, teacher, num_items_in_batch,
         loss_type=loss_type, beta=beta, skew_alpha=skew_alpha, temperature=temperature, vocab_size=vocab_size,
@@ -439,12 +449,22 @@ def chunked_distillation_loss(
     )  # fmt: skip
 
 
+def _head_shape(hidden: Tensor, weight: Tensor | None) -> tuple[int, int]:
+    """``(V, H)`` of an lm_head weight; without one, ``hidden`` are logits: ``(V, V)``."""
+    return (hidden.shape[-1], hidden.shape[-1]) if weight is None else tuple(weight.shape)
+
+
+def default_chunk_size(vocab: int) -> int:
+    """Rows per chunk so that one chunk of fp32 logits holds about 2^25 elements (128 MiB)."""
+    return max(1, _AUTO_CHUNK_ELEMENTS // vocab)
+
+
 def _run_chunked(s_flat, weight, bias, rows, labels, teacher, num_items_in_batch, *, chunk_size, **settings):
     """Run `_ChunkedDistillation` over the selected rows of ``s_flat`` ``[N, H]`` against a teacher signal and
     normalise its sums (see `chunked_distillation_loss`). ``settings``: the cfg keys the Function reads."""
     n = s_flat.shape[0] if rows is None else rows.numel()
     if chunk_size is None:
-        chunk_size = max(1, _AUTO_CHUNK_ELEMENTS // weight.shape[0])
+        chunk_size = default_chunk_size(s_flat.shape[1] if weight is None else weight.shape[0])
     cfg = {"grad_enabled": torch.is_grad_enabled(), "chunk_size": min(chunk_size, max(n, 1)), **settings}
     kd_sum, ce_sum = _ChunkedDistillation.apply(s_flat, weight, bias, rows, labels, teacher, cfg)
     kd = _normalise(kd_sum, n, num_items_in_batch)
@@ -454,9 +474,9 @@ def _run_chunked(s_flat, weight, bias, rows, labels, teacher, num_items_in_batch
 
 def chunked_divergence(
     student_hidden: Tensor,
-    student_lm_head_weight: Tensor,
+    student_lm_head_weight: Tensor | None,
     teacher_hidden: Tensor,
-    teacher_lm_head_weight: Tensor,
+    teacher_lm_head_weight: Tensor | None,
     mask: Tensor | None = None,
     loss_type: str = "forward_kl",
     *,

@@ -1,48 +1,109 @@
-"""What the loss needs from a causal LM: its last hidden states, its lm_head, and how it scales logits."""
+"""What the loss needs from a causal LM: its last hidden states and its lm_head (the fused path), or its own logits at
+the loss positions (the exact path)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import types
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 _PATCHED = "_trl_distill_forward"
+_EXACT = "_trl_distill_exact_logits"  # set by `use_exact_logits`: the model's own forward makes the logits
+_BACKBONE_NAMES = ("model", "transformer", "language_model", "decoder", "gpt_neox")
+
+
+class LossFeatures(NamedTuple):
+    """What a model hands the loss for the kept positions.
+
+    ``states`` ``[B, K, F]``: the last hidden states (``F`` = hidden size) that ``head`` projects to logits, or, when
+    ``head`` is None, the model's own logits (``F`` = vocabulary), for an architecture whose head the fused path does
+    not rebuild exactly (see `trl_distill.logit_check`).
+    """
+
+    states: torch.Tensor
+    head: LMHead | None
 
 
 def add_fused_distillation_forward(model: nn.Module) -> None:
-    """Let `model(..., fused_distillation=fn)` return ``fn(last_hidden_state, model)`` instead of logits.
+    """Let `model(..., fused_distillation=fn, loss_positions=idx)` return ``fn(LossFeatures)`` instead of logits.
 
-    The backbone runs as usual and `fn` projects through the lm_head itself (a chunk of completion rows at a
-    time), so no ``[B, T, V]`` logits are built. Because `fn` runs *inside* the model's forward, a DeepSpeed
-    engine's forward hooks (ZeRO-3 gathers, timers) wrap it as they wrap a normal forward. Without the keyword the
-    forward is unchanged (generation, evaluation with logits). Patch the `PreTrainedModel`, before any PEFT
-    wrapping or `accelerator.prepare`; patching twice is a no-op.
+    On the fused path (the default) the backbone runs as usual and `fn` projects its last hidden states through the
+    lm_head itself (a chunk of completion rows at a time), so no ``[B, T, V]`` logits are built. On the exact path
+    (`use_exact_logits`) the model's own forward computes the logits at `loss_positions` only
+    (``logits_to_keep``). `loss_positions` (1-D, sorted) keeps those sequence positions; None keeps all. Because `fn`
+    runs *inside* the model's forward, a DeepSpeed engine's forward hooks (ZeRO-3 gathers, timers) wrap it as they
+    wrap a normal forward. Without the keyword the forward is unchanged (generation, evaluation with logits). Patch
+    the `PreTrainedModel`, before any PEFT wrapping or `accelerate.prepare`; patching twice is a no-op.
     """
     if getattr(model, _PATCHED, False):
         return
     original_forward = model.forward
+    takes_positions = "logits_to_keep" in inspect.signature(type(model).forward).parameters
 
     @functools.wraps(type(model).forward)
-    def forward(self, *args, fused_distillation=None, **kwargs):
+    def forward(self, *args, fused_distillation=None, loss_positions=None, **kwargs):
         if fused_distillation is None:
             return original_forward(*args, **kwargs)
-        for key in ("labels", "shift_labels", "num_items_in_batch", "fused_lm_head"):
+        for key in ("labels", "shift_labels", "num_items_in_batch", "fused_lm_head", "logits_to_keep"):
             kwargs.pop(key, None)
         kwargs["use_cache"] = False
-        hidden = self.base_model(*args, **kwargs).last_hidden_state
-        return fused_distillation(hidden, self)
+        if getattr(self, _EXACT, False):
+            if takes_positions and loss_positions is not None:
+                kwargs["logits_to_keep"] = loss_positions
+            logits = original_forward(*args, **kwargs).logits
+            if not takes_positions and loss_positions is not None:
+                logits = logits[:, loss_positions]
+            return fused_distillation(LossFeatures(logits, None))
+        head = LMHead.of(self)  # before any compute: a model we cannot rebuild fails here, not mid-forward
+        hidden = backbone(self)(*args, **kwargs).last_hidden_state
+        if loss_positions is not None:
+            hidden = hidden[:, loss_positions]
+        return fused_distillation(LossFeatures(hidden, head))
 
     model.forward = types.MethodType(forward, model)
     setattr(model, _PATCHED, True)
 
 
+def use_exact_logits(model: nn.Module, exact: bool = True) -> None:
+    """Make the patched forward of `model` return its own logits (``exact=True``) or its last hidden states."""
+    setattr(model, _EXACT, exact)
+
+
+def uses_exact_logits(model: nn.Module) -> bool:
+    return getattr(model, _EXACT, False)
+
+
+def backbone(model: nn.Module) -> nn.Module:
+    """The module under a causal LM that returns its last hidden states (``.last_hidden_state``).
+
+    `base_model` where the model names it; otherwise the first of the usual attribute names (`model`,
+    `transformer`, ...) that holds a module: Llama-4's text model, for one, is not at `base_model`.
+    """
+    base = getattr(model, "base_model", model)
+    if base is not model:
+        return base
+    for name in _BACKBONE_NAMES:
+        child = getattr(model, name, None)
+        if isinstance(child, nn.Module) and child is not model:
+            return child
+    raise ValueError(f"Cannot find the backbone of {type(model).__name__}: none of base_model, "
+                     f"{', '.join(_BACKBONE_NAMES)} holds it.")
+
+
 @dataclass(frozen=True)
 class LMHead:
-    """An lm_head's parameters and the logit transform its config applies after the projection."""
+    """An lm_head's parameters and the logit transform its config applies after the projection.
+
+    Read from the config names the mainstream families use; `trl_distill.logit_check` proves, per model, that
+    `logits` equals the model's own logits before training relies on it.
+    """
 
     weight: torch.Tensor
     bias: torch.Tensor | None
@@ -52,13 +113,38 @@ class LMHead:
     @classmethod
     def of(cls, model: nn.Module) -> LMHead:
         head = model.get_output_embeddings()
-        if not isinstance(head, nn.Linear) and not hasattr(head, "weight"):
-            raise ValueError(f"{type(model).__name__} has no linear lm_head; it cannot be distilled.")
+        if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
+            raise ValueError(f"{type(model).__name__}'s output layer ({type(head).__name__}) is not a plain linear "
+                             "projection.")
+        extra = [name for name, _ in head.named_parameters() if name not in ("weight", "bias")]
+        if extra:  # e.g. a learned per-token scale
+            raise ValueError(f"{type(model).__name__}'s lm_head has parameters of its own ({', '.join(extra)}).")
         config = model.config.get_text_config()
         scale = getattr(config, "logit_scale", None)
         if scale is None and getattr(config, "logits_scaling", None):
             scale = 1.0 / config.logits_scaling  # Granite divides its logits
+        if scale is None and getattr(config, "lm_head_multiplier", None) is not None:
+            scale = config.lm_head_multiplier
         return cls(head.weight, getattr(head, "bias", None), scale, getattr(config, "final_logit_softcapping", None))
+
+    @property
+    def params(self) -> tuple[torch.Tensor, ...]:
+        """The head's tensors (for `gathered`)."""
+        return (self.weight,) if self.bias is None else (self.weight, self.bias)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` ``[..., H]`` -> logits ``[..., V]`` in >= fp32: projection, then scale and softcap."""
+        raw = F.linear(hidden, self.weight, self.bias)
+        return finalise_logits(raw.to(torch.promote_types(raw.dtype, torch.float32)), self.logit_scale, self.softcap)
+
+
+def finalise_logits(logits: torch.Tensor, scale: float | None, softcap: float | None) -> torch.Tensor:
+    """Apply a model's logit scale (multiply) and final-logit softcapping ``c·tanh(x / c)``."""
+    if scale is not None:
+        logits = logits * scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return logits
 
 
 def _is_partitioned(param: torch.Tensor | None) -> bool:

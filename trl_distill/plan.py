@@ -15,7 +15,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, fields, replace
 
-from .losses import _AUTO_CHUNK_ELEMENTS
+from .losses import default_chunk_size
 
 GIB = 1024**3
 HEADROOM = 0.10  # CUDA context, NCCL/allocator buffers, fragmentation
@@ -179,7 +179,7 @@ def activation_bytes(student: ModelSpec, teacher: ModelSpec, s: Settings) -> int
 
 def chunk_rows(student: ModelSpec, s: Settings) -> int:
     """Rows per loss chunk, as `chunked_distillation_loss` picks them: ~2^25 fp32 logits unless given."""
-    return min(s.loss_chunk_size or max(1, _AUTO_CHUNK_ELEMENTS // student.vocab), s.micro_batch * s.seq_len)
+    return min(s.loss_chunk_size or default_chunk_size(student.vocab), s.micro_batch * s.seq_len)
 
 
 def logits_bytes(student: ModelSpec, s: Settings, chunked: bool) -> int:

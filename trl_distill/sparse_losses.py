@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .losses import DistillationLossOutput, _check_args, _div, _run_chunked, per_token_divergence
+from .losses import DistillationLossOutput, _check_args, _div, _head_shape, _run_chunked, per_token_divergence
 
 __all__ = ["SparseTeacherSignal", "sparse_distillation_loss", "top_k_teacher_signal"]
 
@@ -83,7 +83,7 @@ class _SparseSignalChunks:
 
 def sparse_distillation_loss(
     student_hidden: Tensor,
-    student_lm_head_weight: Tensor,
+    student_lm_head_weight: Tensor | None,
     teacher: SparseTeacherSignal,
     mask: Tensor | None = None,
     loss_type: str = "forward_kl",
@@ -104,10 +104,11 @@ def sparse_distillation_loss(
     """`losses.chunked_distillation_loss` with the teacher given as a sparse signal (see the module docstring).
 
     ``teacher`` holds one row per selected token (``mask`` True, row-major), in order; its ids index the student's
-    first ``vocab_size`` logits (default: all). Everything else is as in `chunked_distillation_loss`.
+    first ``vocab_size`` logits (default: all). Everything else is as in `chunked_distillation_loss` (a None
+    weight: ``student_hidden`` are the student's own logits).
     """
     _check_args(loss_type, beta, skew_alpha, temperature)
-    v_s, h_dim = student_lm_head_weight.shape
+    v_s, h_dim = _head_shape(student_hidden, student_lm_head_weight)
     if student_hidden.shape[-1] != h_dim:
         raise ValueError(f"hidden size {student_hidden.shape[-1]} does not match the lm_head {(v_s, h_dim)}.")
     lead = student_hidden.shape[:-1]

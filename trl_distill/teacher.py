@@ -19,7 +19,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from .modeling import LMHead, add_fused_distillation_forward
+from .modeling import LossFeatures, add_fused_distillation_forward
 from .validation import check_model_path
 from .zero3_loading import load_partitioned, loadable
 
@@ -136,20 +136,18 @@ class Teacher:
         if isinstance(self.source, PreTrainedModel):
             self.source = model
 
-    def lm_head(self) -> LMHead:
-        return LMHead.of(self.module)
-
     @torch.no_grad()
-    def last_hidden_state(self, model_inputs: dict) -> torch.Tensor:
-        """The teacher's last hidden state ``[B, T, H_t]`` for the batch (every rank must call it: ZeRO-3
-        gathers are collective)."""
+    def features(self, model_inputs: dict, positions: torch.Tensor | None = None) -> LossFeatures:
+        """What the loss needs of the teacher at sequence `positions` (all if None): its last hidden states
+        ``[B, K, H_t]`` and lm_head, or its own logits ``[B, K, V_t]`` on the exact path. Every rank must call it:
+        ZeRO-3 gathers are collective."""
         if not self.prepared:
             raise RuntimeError(
                 "The teacher is not prepared. DistillationTrainer prepares it in get_train_dataloader(), "
                 "get_eval_dataloader() and get_test_dataloader(); call one of them (or train/evaluate/predict) "
                 "before computing a loss."
             )
-        return self.engine(**model_inputs, fused_distillation=_return_hidden)
+        return self.engine(**model_inputs, fused_distillation=_as_is, loss_positions=positions)
 
 
 SELF = "self"
@@ -170,23 +168,20 @@ class SelfTeacher:
     def prepare(self, accelerator, device: torch.device) -> None:
         """Nothing to load or prepare: the student's engine already holds the weights."""
 
-    def lm_head(self) -> LMHead:
-        with self.peft_model.disable_adapter():  # a trained `modules_to_save` lm_head falls back to the original
-            return LMHead.of(self.module)
-
     @torch.no_grad()
-    def last_hidden_state(self, model_inputs: dict) -> torch.Tensor:
+    def features(self, model_inputs: dict, positions: torch.Tensor | None = None) -> LossFeatures:
         was_training = self.module.training
         self.module.eval()  # the frozen base, without dropout
         try:
+            # adapters off: a trained `modules_to_save` lm_head falls back to the original too
             with self.peft_model.disable_adapter():
-                return self.module(**model_inputs, fused_distillation=_return_hidden)
+                return self.module(**model_inputs, fused_distillation=_as_is, loss_positions=positions)
         finally:
             self.module.train(was_training)
 
 
-def _return_hidden(hidden: torch.Tensor, model: nn.Module) -> torch.Tensor:
-    return hidden
+def _as_is(features: LossFeatures) -> LossFeatures:
+    return features
 
 
 def _freeze(model: nn.Module) -> None:

@@ -20,8 +20,9 @@ from .checkpoints import mark_complete, resolve_resume
 from .config import DistillationConfig
 from .data import resolve_assistant_only_loss
 from .deepspeed_config import build_teacher_config
+from .logit_check import probe_inputs, settle_logit_paths
 from .losses import chunked_distillation_loss
-from .modeling import LMHead, add_fused_distillation_forward, gathered, hidden_size
+from .modeling import LossFeatures, add_fused_distillation_forward, gathered, hidden_size
 from .on_policy import DATASET, completion_source, sample_completions
 from .on_policy import STUDENT as STUDENT_SOURCE
 from .sparse_losses import sparse_distillation_loss
@@ -160,6 +161,7 @@ class DistillationTrainer(SFTTrainer):
         self._generation_stats = dict.fromkeys(("micro_steps", "on_policy", "rows", "tokens"), 0)
         self.last_completions = None
         self._distill_last_logged_step = 0
+        self._logit_paths = None  # settled on the first batch (`_settle_logit_paths`)
         self.add_callback(_LogStepSync(self))
 
     # ---- Setup: two DeepSpeed plugins, teacher prepared once after the Trainer's `free_memory()` ----
@@ -179,9 +181,9 @@ class DistillationTrainer(SFTTrainer):
                     "ZeRO-2 config) or launch with `accelerate launch --use_deepspeed`."
                 )
             return accelerator_args
-        config = build_teacher_config(
-            self.args.teacher_deepspeed, student_plugin.deepspeed_config, self.args, hidden_size(self.teacher.config)
-        )
+        self._teacher_config_notes = []
+        config = build_teacher_config(self.args.teacher_deepspeed, student_plugin.deepspeed_config, self.args,
+                                      hidden_size(self.teacher.config), notes=self._teacher_config_notes)
         stage = config["zero_optimization"].get("stage", 0)
         if self.args.seq_kd and stage == 3:
             # Sampling runs the teacher's own lm_head, which our loss gathers itself; DeepSpeed's prefetcher would
@@ -220,7 +222,9 @@ class DistillationTrainer(SFTTrainer):
         self._engine_configs_printed = True
         if self.accelerator.is_main_process:  # global rank 0 (accelerator.print prints once per node)
             for name, plugin in plugins.items():
-                print(f"trl_distill: {name} DeepSpeed config: {json.dumps(plugin.deepspeed_config)}", flush=True)
+                notes = getattr(self, "_teacher_config_notes", []) if name == TEACHER else []
+                note = f" ({'; '.join(notes)})" if notes else ""
+                print(f"trl_distill: {name} DeepSpeed config{note}: {json.dumps(plugin.deepspeed_config)}", flush=True)
 
     def _prepare_teacher(self) -> None:
         if self.teacher is not None:  # None: training from a teacher cache
@@ -324,23 +328,22 @@ class DistillationTrainer(SFTTrainer):
         labels = inputs["labels"]
         cached = pop_signal(inputs)
         model_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
-        if "shift_labels" in inputs:
-            target = inputs["shift_labels"]
-            trim = slice(None)
-        else:
-            target = labels[:, 1:]
-            trim = slice(None, -1)
+        target = inputs["shift_labels"] if "shift_labels" in inputs else labels[:, 1:]
         mask = target != -100
-        if cached is not None:  # the teacher's top-k from the cache; no teacher runs
-            loss_fn = partial(self._fused_loss, teacher_hidden=None, cached=cached, target=target, mask=mask,
-                              num_items_in_batch=num_items_in_batch)
-        else:
+        # Sequence positions with a loss token in some row: the only ones either model projects (position t
+        # predicts target t); the selected rows keep the (row, position) order on every path.
+        keep = mask.any(0).nonzero().squeeze(1)
+        mask, target = mask[:, keep], target[:, keep]
+        if self._logit_paths is None:
+            self._settle_logit_paths(model, model_inputs, mask)
+        teacher = None
+        if cached is None:  # else the teacher's top-k comes from the cache; no teacher runs
             # Every rank runs every teacher forward, even with no loss token: ZeRO-3 gathers are collective.
-            teacher_hidden = self.teacher.last_hidden_state(model_inputs)[:, trim]
-            check_teacher_finite(teacher_hidden, self.accelerator, self.state.global_step + 1)
-            loss_fn = partial(self._fused_loss, teacher_hidden=teacher_hidden, cached=None, target=target, mask=mask,
-                              num_items_in_batch=num_items_in_batch)
-        kd, ce = model(**model_inputs, fused_distillation=loss_fn)
+            teacher = self.teacher.features(model_inputs, keep)
+            check_teacher_finite(teacher.states, self.accelerator, self.state.global_step + 1)
+        loss_fn = partial(self._fused_loss, teacher=teacher, cached=cached, target=target, mask=mask,
+                          num_items_in_batch=num_items_in_batch)
+        kd, ce = model(**model_inputs, fused_distillation=loss_fn, loss_positions=keep)
         if args.kd_temperature_scaling:
             kd = kd * args.temperature**2
         loss = args.alpha * kd + (1.0 - args.alpha) * ce
@@ -356,33 +359,38 @@ class DistillationTrainer(SFTTrainer):
             return loss, {"kd_loss": kd.detach(), "ce_loss": ce.detach()}
         return loss
 
-    def _fused_loss(self, student_hidden, student, *, teacher_hidden, cached, target, mask, num_items_in_batch):
+    def _settle_logit_paths(self, model, model_inputs: dict, mask: torch.Tensor) -> None:
+        """Once, on the first batch: check each model's fused logits against its own and pick its path (see
+        `trl_distill.logit_check`); rank 0 says which path each model takes."""
+        student = self.accelerator.unwrap_model(model)
+        student = student.get_base_model() if hasattr(student, "get_base_model") else student
+        candidates = [("student", model, student)]
+        if self.teacher is not None and not isinstance(self.teacher, SelfTeacher):  # self: the student's own base
+            candidates.append(("teacher", self.teacher.engine, self.teacher.module))
+        self._logit_paths = settle_logit_paths(candidates, probe_inputs(model_inputs), self.accelerator)
+        if self.accelerator.is_main_process:
+            for path in self._logit_paths:
+                print(path.describe(self.vocab_size, int(mask.shape[0] * mask.shape[1])), flush=True)
+
+    def _fused_loss(self, student: LossFeatures, *, teacher, cached, target, mask, num_items_in_batch):
         """Runs inside the student's forward: both lm_heads (or the student's and the cached teacher signal), a
-        chunk of completion rows at a time."""
+        chunk of completion rows at a time; a model on the exact path hands its own logits instead."""
         args = self.args
-        if cached is not None:
-            s_head = LMHead.of(student)
-            with gathered(s_head.weight, s_head.bias):
-                return sparse_distillation_loss(
-                    student_hidden[:, : target.shape[1]], s_head.weight, cached, mask, args.divergence,
-                    labels=target.clamp(min=0), student_lm_head_bias=s_head.bias, beta=args.beta,
-                    skew_alpha=args.skew_alpha, temperature=args.temperature, num_items_in_batch=num_items_in_batch,
-                    chunk_size=args.loss_chunk_size, vocab_size=self.vocab_size,
-                    student_logit_scale=s_head.logit_scale, student_softcap=s_head.softcap,
-                    kd_grad=args.alpha > 0, ce_grad=args.alpha < 1,
-                )
-        s_head, t_head = LMHead.of(student), self.teacher.lm_head()
-        with gathered(s_head.weight, s_head.bias, t_head.weight, t_head.bias):
+        s_head, t_head = student.head, None if teacher is None else teacher.head
+        settings = dict(labels=target.clamp(min=0), student_lm_head_bias=_part(s_head, "bias"), beta=args.beta,
+                        skew_alpha=args.skew_alpha, temperature=args.temperature,
+                        num_items_in_batch=num_items_in_batch, chunk_size=args.loss_chunk_size,
+                        vocab_size=self.vocab_size, student_logit_scale=_part(s_head, "logit_scale"),
+                        student_softcap=_part(s_head, "softcap"),
+                        kd_grad=args.alpha > 0, ce_grad=args.alpha < 1)  # a term weighted 0 is only logged
+        with gathered(*_params(s_head), *_params(t_head)):
+            if cached is not None:
+                return sparse_distillation_loss(student.states, _part(s_head, "weight"), cached, mask,
+                                                args.divergence, **settings)
             return chunked_distillation_loss(
-                student_hidden[:, : target.shape[1]], s_head.weight, teacher_hidden, t_head.weight, mask,
-                args.divergence,
-                labels=target.clamp(min=0),
-                student_lm_head_bias=s_head.bias, teacher_lm_head_bias=t_head.bias,
-                beta=args.beta, skew_alpha=args.skew_alpha, temperature=args.temperature,
-                num_items_in_batch=num_items_in_batch, chunk_size=args.loss_chunk_size, vocab_size=self.vocab_size,
-                student_logit_scale=s_head.logit_scale, teacher_logit_scale=t_head.logit_scale,
-                student_softcap=s_head.softcap, teacher_softcap=t_head.softcap,
-                kd_grad=args.alpha > 0, ce_grad=args.alpha < 1,  # a term weighted 0 is only logged
+                student.states, _part(s_head, "weight"), teacher.states, _part(t_head, "weight"), mask,
+                args.divergence, teacher_lm_head_bias=_part(t_head, "bias"),
+                teacher_logit_scale=_part(t_head, "logit_scale"), teacher_softcap=_part(t_head, "softcap"), **settings,
             )
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -423,6 +431,15 @@ class DistillationTrainer(SFTTrainer):
                 logs["generated_length"] = tokens / max(rows, 1)
                 self._generation_stats = dict.fromkeys(self._generation_stats, 0)
         super().log(logs, start_time)
+
+
+def _part(head, name: str):
+    """A field of an `LMHead`, or None for a model on the exact path (no head: its states are logits)."""
+    return None if head is None else getattr(head, name)
+
+
+def _params(head) -> tuple:
+    return () if head is None else head.params
 
 
 def _student_tokenizer(model, dataset):

@@ -225,10 +225,9 @@ def main():
     with torch.no_grad():
         ref = plain(**batch).logits
         z3 = trainer.teacher.engine(**batch).logits
-        hidden = trainer.teacher.last_hidden_state(dict(batch))
-        head = trainer.teacher.module.get_output_embeddings()
-        with gathered(head.weight):
-            fused = hidden @ head.weight.T
+        features = trainer.teacher.features(dict(batch))
+        with gathered(*features.head.params):
+            fused = features.head.logits(features.states)
     rec["plain_teacher_partitioned"] = any(hasattr(p, "ds_id") for p in plain.parameters())
     rec["teacher_logits_maxdiff"] = (z3 - ref).abs().max().item()
     rec["teacher_hidden_logits_maxdiff"] = (fused - ref).abs().max().item()

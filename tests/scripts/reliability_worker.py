@@ -64,15 +64,15 @@ def mask_second_batch_on_rank1(trainer):
 
 
 def nan_from_step(trainer, step):
-    hidden = trainer.teacher.last_hidden_state
+    features = trainer.teacher.features
 
-    def poisoned(inputs):
-        out = hidden(inputs)
+    def poisoned(inputs, positions=None):
+        out = features(inputs, positions)
         if trainer.accelerator.process_index == 1 and trainer.state.global_step + 1 >= step:
-            out = out * float("nan")
+            out = out._replace(states=out.states * float("nan"))
         return out
 
-    trainer.teacher.last_hidden_state = poisoned
+    trainer.teacher.features = poisoned
 
 
 def main():

@@ -14,10 +14,9 @@ import os
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from accelerate.utils import broadcast_object_list, gather_object
 
-from ..losses import _finalise_logits
+from ..logit_check import probe_inputs, settle_logit_paths
 from ..modeling import gathered
 from ..sparse_losses import top_k_teacher_signal
 from .manifest import Manifest, dataset_fingerprint, tokenizer_hash
@@ -68,10 +67,11 @@ def write_teacher_cache(
         raise ValueError(decision)
     manifest.shards = decision
     done = {shard["index"] for shard in manifest.shards}
-    if len(done) < manifest.num_shards:
-        trainer._prepare_teacher()  # collective
     batch_size = batch_size or args.per_device_eval_batch_size
     columns = dataset.select_columns(["input_ids", "labels"])
+    if len(done) < manifest.num_shards:
+        trainer._prepare_teacher()  # collective
+        _settle_teacher_path(trainer, columns)
     for index in range(manifest.num_shards):
         if index in done:
             continue
@@ -135,6 +135,18 @@ def _whole(directory: str, shard: dict) -> bool:
     return os.path.exists(path) and os.path.getsize(path) == shard["bytes"]
 
 
+def _settle_teacher_path(trainer, columns) -> None:
+    """Check the teacher's fused logits against its own on the first row (see `trl_distill.logit_check`)."""
+    batch = trainer._prepare_inputs(trainer.data_collator([columns[0]]))
+    batch.pop("labels")
+    batch.pop("shift_labels", None)
+    teacher = trainer.teacher
+    (path,) = settle_logit_paths([("teacher", teacher.engine, teacher.module)], probe_inputs(batch),
+                                 trainer.accelerator)
+    if trainer.accelerator.is_main_process:
+        print(path.describe(trainer.vocab_size, batch["input_ids"].numel()), flush=True)
+
+
 @torch.no_grad()
 def _teacher_rows(trainer, columns, rows: range, top_k: int, temperature: float) -> list[dict]:
     """The sparse teacher signal of the prepared rows `rows`, one record per row."""
@@ -142,19 +154,19 @@ def _teacher_rows(trainer, columns, rows: range, top_k: int, temperature: float)
     batch = trainer._prepare_inputs(trainer.data_collator(examples))
     labels = batch.pop("labels")
     batch.pop("shift_labels", None)
-    hidden = trainer.teacher.last_hidden_state(batch)[:, :-1]  # position t predicts labels[t + 1]
-    mask = labels[:, 1:] != -100
-    head, vocab = trainer.teacher.lm_head(), trainer.vocab_size
+    mask = labels[:, 1:] != -100  # position t predicts labels[t + 1]
+    keep = mask.any(0).nonzero().squeeze(1)
+    features, vocab = trainer.teacher.features(batch, keep), trainer.vocab_size
     records = []
-    with gathered(head.weight, head.bias):
-        weight, bias = head.weight[:vocab], None if head.bias is None else head.bias[:vocab]
+    with gathered(*(features.head.params if features.head is not None else ())):
         for b, row in enumerate(rows):
-            positions = mask[b].nonzero().squeeze(1)
+            kept = mask[b, keep].nonzero().squeeze(1)
             parts = []
-            for start in range(0, positions.numel(), _ROWS_PER_PROJECTION):
-                h = hidden[b, positions[start : start + _ROWS_PER_PROJECTION]]
-                logits = _finalise_logits(F.linear(h, weight, bias).float(), head.logit_scale, head.softcap)
-                parts.append(top_k_teacher_signal(logits, top_k, temperature))
+            for start in range(0, kept.numel(), _ROWS_PER_PROJECTION):
+                states = features.states[b, kept[start : start + _ROWS_PER_PROJECTION]]
+                logits = states.float() if features.head is None else features.head.logits(states)
+                parts.append(top_k_teacher_signal(logits[:, :vocab], top_k, temperature))
+            positions = keep[kept]
             if parts:
                 ids, log_probs, tail = (torch.cat(x) for x in zip(*parts, strict=True))
             else:

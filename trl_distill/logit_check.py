@@ -1,0 +1,116 @@
+"""Prove, before training relies on it, that the fused path gives each model's own logits; else use the exact path.
+
+The fused loss rebuilds a model's logits from its last hidden states and `LMHead` (the output embeddings plus the
+scale and softcap its config names). Architectures that compute logits otherwise (a multiplier under another name,
+a head module with its own learned scale, a prediction head before the decoder, a backbone we cannot find) would
+get a silently wrong loss. So, once per run and per model, on the first batch's first row, the rebuilt logits are
+compared with the model's own `forward(...).logits`. A model that fails, on any rank, uses the exact path from then
+on: its own forward with ``logits_to_keep`` = the loss positions (see `modeling.add_fused_distillation_forward`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .modeling import LossFeatures, gathered, use_exact_logits
+
+PROBE_TOKENS = 64  # positions of the first row compared, per model
+
+
+@dataclass
+class LogitPath:
+    """Which path a model's logits take, and the evidence: the largest difference seen between the rebuilt and
+    the model's own logits (None when the fused path could not run at all) and the tolerance it was held to."""
+
+    name: str
+    exact: bool
+    max_error: float | None
+    tolerance: float
+    positions: int
+    reason: str = ""
+
+    def describe(self, vocab: int, loss_tokens: int) -> str:
+        checked = f"checked against {self.name}(...).logits on {self.positions} positions"
+        if not self.exact:
+            return (f"trl_distill: {self.name} logits: fused lm_head path ({checked}: max |diff| "
+                    f"{self.max_error:.2e} <= {self.tolerance:.1e}).")
+        why = self.reason or f"max |diff| {self.max_error:.3g} > {self.tolerance:.1e}"
+        mib = loss_tokens * vocab * 4 / 2**20
+        return (f"trl_distill: {self.name} logits: exact path, the model's own forward at the loss positions "
+                f"(logits_to_keep), because the fused lm_head rebuild does not reproduce them ({checked}: {why}). "
+                f"Cost: full-vocabulary logits for the kept positions, about {mib:.0f} MiB (fp32) for the first "
+                "batch, instead of one chunk at a time; the result is exact.")
+
+
+def probe_inputs(model_inputs: dict) -> dict:
+    """The first row of a batch, its first `PROBE_TOKENS` positions (tensors shaped ``[B, T]`` only)."""
+    length = model_inputs["input_ids"].shape[1]
+    probe = {}
+    for key, value in model_inputs.items():
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == length:
+            probe[key] = value[:1, :PROBE_TOKENS]
+    return probe
+
+
+def _autocast() -> bool:
+    return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
+
+
+def _tolerance(own: torch.Tensor, dtype: torch.dtype) -> float:
+    """Absolute tolerance: rounding of the same ops in another order, relative to the logits' magnitude."""
+    full = dtype in (torch.float32, torch.float64) and not _autocast()
+    rtol, atol = (1e-4, 1e-5) if full else (2e-2, 1e-3)
+    return atol + rtol * own.abs().max().item()
+
+
+def _rebuilt(features: LossFeatures) -> torch.Tensor:
+    with gathered(*features.head.params):
+        return features.head.logits(features.states).float()
+
+
+@torch.no_grad()
+def check_fused_logits(name: str, call, module: nn.Module, inputs: dict) -> LogitPath:
+    """Compare, on `inputs`, ``call(..., fused_distillation=...)`` rebuilt logits with ``call(...).logits``.
+
+    `call` runs the model as training does (a DeepSpeed engine, a DDP or PEFT wrapper, or `module` itself; every
+    rank must call this under ZeRO-3); `module` is the patched `PreTrainedModel`, put in eval mode for the probe.
+    """
+    use_exact_logits(module, False)
+    was_training = module.training
+    module.eval()
+    try:
+        # The fused forward first: under ZeRO-3 the first forward records the prefetch trace, and a model that calls
+        # its lm_head after a trace without it just re-records; the other order has the lm_head in flight while the
+        # rebuild gathers it (deepspeed 0.19.8).
+        try:
+            rebuilt = call(**inputs, fused_distillation=_rebuilt)
+        except (AttributeError, ValueError, TypeError) as error:
+            rebuilt = error
+        own = call(**inputs, use_cache=False).logits.float()
+    finally:
+        module.train(was_training)
+    tolerance, positions = _tolerance(own, next(module.parameters()).dtype), own.shape[1]
+    if isinstance(rebuilt, Exception):
+        return LogitPath(name, True, None, tolerance, positions, f"the rebuild fails: {rebuilt}")
+    if rebuilt.shape != own.shape:
+        return LogitPath(name, True, None, tolerance, positions,
+                         f"rebuilt logits {tuple(rebuilt.shape)} vs {tuple(own.shape)}")
+    error = (rebuilt - own).abs().max().nan_to_num(float("inf")).item()
+    return LogitPath(name, not error <= tolerance, error, tolerance, positions)
+
+
+def settle_logit_paths(candidates: list[tuple[str, object, nn.Module]], inputs: dict, accelerator) -> list[LogitPath]:
+    """Check each ``(name, call, module)`` and set its path; a model that fails on any rank is exact on all
+    (the paths gather differently under ZeRO-3, so every rank must take the same one)."""
+    paths = [check_fused_logits(name, call, module, inputs) for name, call, module in candidates]
+    failed = torch.tensor([float(p.exact) for p in paths], device=inputs["input_ids"].device)
+    if accelerator.num_processes > 1:
+        failed = accelerator.reduce(failed, reduction="sum")
+    for path, count, (_, _, module) in zip(paths, failed.tolist(), candidates, strict=True):
+        if count > 0 and not path.exact:
+            path.exact, path.reason = True, "the rebuild differs on another rank"
+        use_exact_logits(module, path.exact)
+    return paths
