@@ -5,6 +5,7 @@
   torch sees no CUDA or XPU device picks the same accelerator without the warning; a value the user set is kept.
 - torch 2.13 deprecates `torch.distributed.all_gather_into_tensor`, which DeepSpeed 0.19.8's ZeRO-3 gathers call on
   every step: one FutureWarning per rank the user cannot act on. Only that message is filtered.
+- transformers 5.24 renamed `is_gradient_checkpointing`, which peft 0.21 reads whenever it wraps a LoRA student.
 """
 
 from __future__ import annotations
@@ -18,5 +19,6 @@ def quiet_unactionable_warnings() -> None:
 
     if not has_accelerator():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
-                            category=FutureWarning)
+    for message in (r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                    r"`is_gradient_checkpointing` is deprecated"):
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
