@@ -1,6 +1,8 @@
 """What the loss reads from a model: last hidden states through the patched forward, the lm_head and its
 logit transform (bias, logit scale, final-logit softcapping)."""
 
+import contextlib
+
 import torch
 from transformers import AutoModelForCausalLM, CohereConfig, Gemma2Config, LlamaConfig
 
@@ -54,10 +56,17 @@ def test_lm_head_transform_reproduces_the_model_logits():
         assert torch.allclose(z, logits, atol=1e-5), type(model).__name__
 
 
-def test_gathered_is_a_no_op_for_plain_parameters():
-    weight = torch.nn.Parameter(torch.randn(4, 3))
-    with gathered(weight, None):
-        assert weight.shape == (4, 3)
+def test_gathered_gathers_only_partitioned_parameters():
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    plain = torch.nn.Parameter(torch.randn(4, 3))
+    available = torch.nn.Parameter(torch.randn(4, 3))
+    available.ds_id, available.ds_status = 1, ZeroParamStatus.AVAILABLE  # a ZeRO-3 parameter already gathered
+    assert isinstance(gathered(plain, None, available), contextlib.nullcontext)
+    partitioned = torch.nn.Parameter(torch.empty(0))
+    partitioned.ds_id, partitioned.ds_status = 2, ZeroParamStatus.NOT_AVAILABLE
+    context = gathered(plain, partitioned, partitioned)
+    assert type(context).__name__ == "GatheredParameters" and context.params == [partitioned]  # once, alone
 
 
 def test_hidden_size():

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from transformers import TrainingArguments
 from trl import SFTConfig
 
 from .deepspeed_config import load_deepspeed_config
@@ -210,3 +211,22 @@ def _lenient_deepspeed(config):
         config.setdefault("train_micro_batch_size_per_gpu", "auto")
         config.setdefault("gradient_accumulation_steps", "auto")
     return config
+
+
+def as_distillation_config(args) -> DistillationConfig:
+    """A `DistillationConfig` with every value of a stock `TrainingArguments` (or `SFTConfig`), the distillation
+    fields at their defaults: what makes the trainer a drop-in for `Trainer` and `SFTTrainer` scripts.
+
+    A `Trainer` script tokenizes its own data and brings its own collator, so SFT's dataset preparation is skipped
+    for plain `TrainingArguments` (as the stock `Trainer` would do)."""
+    if isinstance(args, DistillationConfig):
+        return args
+    if not isinstance(args, TrainingArguments):
+        raise TypeError(f"args must be a DistillationConfig or TrainingArguments, got {type(args).__name__}.")
+    values = args.to_dict()
+    for key in values:
+        if key.endswith("_token"):  # to_dict masks these (hub_token, and SFT's eos_token / pad_token)
+            values[key] = getattr(args, key)
+    if not isinstance(args, SFTConfig):
+        values["dataset_kwargs"] = {"skip_prepare_dataset": True}
+    return DistillationConfig(**values)

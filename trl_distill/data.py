@@ -78,3 +78,13 @@ def resolve_assistant_only_loss(setting: bool | None, dataset, tokenizer) -> boo
             "content, or use the prompt-completion format. Pass `--assistant_only_loss false` to silence this."
         )
         return False
+
+
+def student_tokenizer(model, dataset):
+    """The student's tokenizer, loaded only when a conversational dataset needs its chat template early."""
+    if dataset is None or isinstance(dataset, dict) or "messages" not in (dataset.column_names or []):
+        return None
+    from transformers import AutoTokenizer
+
+    source = model if isinstance(model, str) else getattr(model.config, "_name_or_path", None)
+    return AutoTokenizer.from_pretrained(source) if source else None

@@ -1,13 +1,14 @@
-"""Token-level distillation divergences and a chunked, fused lm-head + divergence loss.
+"""The distillation loss: logits -> divergence (`divergence`), and the chunked, fused lm-head path that never builds
+full-vocabulary logits (`fused_loss`; functional form `chunked_distillation_loss`).
 
-Notation: ``p`` is the teacher distribution, ``q`` the student distribution, both ``softmax(logits / T)``.
-All per-token functions take fp32 (or fp64) log-probabilities ``[N, V]`` and return ``[N]``.
+Notation: ``p`` is the teacher distribution, ``q`` the student distribution, both ``softmax(logits / T)``. The
+formulas are in `trl_distill.divergences`; everything about the loss that is not a tensor is one frozen
+`LossSettings`, and each model's head (weight, bias, scale, softcap) travels as a `modeling.LMHead`.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -15,168 +16,81 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .modeling import finalise_logits
+from .divergences import (
+    DIVERGENCES,
+    LOSS_TYPES,
+    at_temperature,
+    check_divergence,
+    divergence,
+    forward_kl,
+    jsd,
+    normalise_sum,
+    per_token_divergence,
+    reverse_kl,
+    skew_forward_kl,
+    skew_reverse_kl,
+    tvd,
+)
+from .modeling import LMHead, finalise_logits
 
 __all__ = [
     "LOSS_TYPES",
+    "DenseTeacherSignal",
     "DistillationLossOutput",
+    "LossSettings",
     "chunked_distillation_loss",
     "chunked_divergence",
     "default_chunk_size",
     "divergence",
     "forward_kl",
+    "fused_loss",
     "jsd",
     "per_token_divergence",
     "reverse_kl",
+    "select_loss_rows",
     "skew_forward_kl",
     "skew_reverse_kl",
     "tvd",
 ]
 
-LOSS_TYPES = ("forward_kl", "reverse_kl", "jsd", "skew_forward_kl", "skew_reverse_kl", "tvd")
-
 # One chunk's fp32 logits hold about this many elements when ``chunk_size`` is None.
 _AUTO_CHUNK_ELEMENTS = 1 << 25
 
 
-# ----------------------------------------------------------------------------------------------------
-# Per-token divergences: log-probs [N, V] -> [N]
-# ----------------------------------------------------------------------------------------------------
-def _kl(logp_a: Tensor, logp_b: Tensor) -> Tensor:
-    """KL(a ‖ b) = Σ_v a·(log a − log b). ``[N, V]`` x2 -> ``[N]``."""
-    return (logp_a.exp() * (logp_a - logp_b)).sum(-1)
+def default_chunk_size(vocab: int) -> int:
+    """Rows per chunk so that one chunk of fp32 logits holds about 2^25 elements (128 MiB)."""
+    return max(1, _AUTO_CHUNK_ELEMENTS // vocab)
 
 
-def _log_mixture(logp_a: Tensor, logp_b: Tensor, weight_a: float) -> Tensor:
-    """log(w·a + (1−w)·b), computed stably with logaddexp. ``[N, V]`` x2 -> ``[N, V]``."""
-    if weight_a == 0.0:
-        return logp_b
-    if weight_a == 1.0:
-        return logp_a
-    return torch.logaddexp(logp_a + math.log(weight_a), logp_b + math.log1p(-weight_a))
+@dataclass(frozen=True)
+class LossSettings:
+    """Everything about the distillation loss that is not a tensor, validated once.
 
-
-def forward_kl(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
-    """KL(p ‖ q). ``[N, V]`` x2 -> ``[N]``."""
-    return _kl(teacher_logp, student_logp)
-
-
-def reverse_kl(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
-    """KL(q ‖ p). ``[N, V]`` x2 -> ``[N]``."""
-    return _kl(student_logp, teacher_logp)
-
-
-def jsd(student_logp: Tensor, teacher_logp: Tensor, beta: float = 0.5) -> Tensor:
-    """Generalized JSD_β = β·KL(p ‖ m) + (1−β)·KL(q ‖ m) with m = β·p + (1−β)·q. ``[N, V]`` x2 -> ``[N]``.
-
-    As in TRL's ``GKDTrainer.generalized_jsd_loss``, the endpoints are special-cased: β == 0 returns the
-    forward KL(p ‖ q) and β == 1 the reverse KL(q ‖ p) (the literal formula would give 0 there).
+    ``divergence`` and its ``beta`` (JSD) / ``skew_alpha`` (skew KLs); ``temperature`` for both distributions;
+    ``chunk_size`` rows projected at a time (None: `default_chunk_size`); ``vocab_size`` logits compared (None: the
+    smaller vocabulary); ``kd_grad`` / ``ce_grad``: whether that term gets a gradient (a term weighted 0 is only
+    logged, with no gradient buffers).
     """
-    if beta == 0.0:
-        return forward_kl(student_logp, teacher_logp)
-    if beta == 1.0:
-        return reverse_kl(student_logp, teacher_logp)
-    log_m = _log_mixture(teacher_logp, student_logp, beta)
-    return beta * _kl(teacher_logp, log_m) + (1.0 - beta) * _kl(student_logp, log_m)
 
+    divergence: str = "forward_kl"
+    beta: float = 0.5
+    skew_alpha: float = 0.1
+    temperature: float = 1.0
+    chunk_size: int | None = None
+    vocab_size: int | None = None
+    kd_grad: bool = True
+    ce_grad: bool = True
 
-def skew_forward_kl(student_logp: Tensor, teacher_logp: Tensor, alpha: float = 0.1) -> Tensor:
-    """DistiLLM skew KL(p ‖ α·p + (1−α)·q). ``[N, V]`` x2 -> ``[N]``."""
-    return _kl(teacher_logp, _log_mixture(teacher_logp, student_logp, alpha))
+    def __post_init__(self):
+        check_divergence(self.divergence, self.beta, self.skew_alpha, self.temperature)
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}.")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}.")
 
-
-def skew_reverse_kl(student_logp: Tensor, teacher_logp: Tensor, alpha: float = 0.1) -> Tensor:
-    """DistiLLM skew KL(q ‖ (1−α)·p + α·q). ``[N, V]`` x2 -> ``[N]``."""
-    return _kl(student_logp, _log_mixture(student_logp, teacher_logp, alpha))
-
-
-def tvd(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
-    """Total variation ½·Σ_v |p − q|. ``[N, V]`` x2 -> ``[N]``."""
-    return 0.5 * (teacher_logp.exp() - student_logp.exp()).abs().sum(-1)
-
-
-_PER_TOKEN: dict[str, Callable[..., Tensor]] = {
-    "forward_kl": forward_kl,
-    "reverse_kl": reverse_kl,
-    "jsd": jsd,
-    "skew_forward_kl": skew_forward_kl,
-    "skew_reverse_kl": skew_reverse_kl,
-    "tvd": tvd,
-}
-
-
-def _check_args(loss_type: str, beta: float, skew_alpha: float, temperature: float) -> None:
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"Unknown loss_type {loss_type!r}; valid choices are {', '.join(LOSS_TYPES)}.")
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta must be in [0, 1], got {beta}.")
-    if not 0.0 <= skew_alpha <= 1.0:
-        raise ValueError(f"skew_alpha must be in [0, 1], got {skew_alpha}.")
-    if not temperature > 0.0:
-        raise ValueError(f"temperature must be > 0, got {temperature}.")
-
-
-def per_token_divergence(
-    student_logp: Tensor, teacher_logp: Tensor, loss_type: str, *, beta: float = 0.5, skew_alpha: float = 0.1
-) -> Tensor:
-    """Dispatch to the per-token divergence named ``loss_type``. Log-probs ``[N, V]`` x2 -> ``[N]``."""
-    _check_args(loss_type, beta, skew_alpha, 1.0)
-    if loss_type == "jsd":
-        return jsd(student_logp, teacher_logp, beta)
-    if loss_type.startswith("skew_"):
-        return _PER_TOKEN[loss_type](student_logp, teacher_logp, skew_alpha)
-    return _PER_TOKEN[loss_type](student_logp, teacher_logp)
-
-
-def _div(logits: Tensor, temperature: float) -> Tensor:
-    """``logits / T``; the identical tensor at T == 1 (saves a full-size copy and its backward pass)."""
-    return logits if temperature == 1.0 else logits / temperature
-
-
-def _normalise(total: Tensor, num_rows: int, num_items_in_batch: int | Tensor | None) -> Tensor:
-    """Sum -> per-item loss: divide by ``num_items_in_batch`` if given, else by the row count (both >= 1)."""
-    if num_items_in_batch is None:
-        return total / max(num_rows, 1)
-    if isinstance(num_items_in_batch, Tensor):
-        return total / num_items_in_batch.to(total.device).clamp_min(1)
-    return total / max(num_items_in_batch, 1)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Logits -> loss
-# ----------------------------------------------------------------------------------------------------
-def divergence(
-    student_logits: Tensor,
-    teacher_logits: Tensor,
-    loss_type: str,
-    *,
-    beta: float = 0.5,
-    skew_alpha: float = 0.1,
-    temperature: float = 1.0,
-    mask: Tensor | None = None,
-    num_items_in_batch: int | Tensor | None = None,
-) -> Tensor:
-    """Scalar loss from student/teacher logits ``[..., V]`` and an optional bool ``mask [...]`` (True = loss).
-
-    Returns Σ over unmasked tokens / ``num_items_in_batch`` if given, else the mean over unmasked tokens.
-    Computed in ``promote_types(dtype, float32)``; ``teacher_logits`` are not detached; no T² scaling.
-    """
-    _check_args(loss_type, beta, skew_alpha, temperature)
-    if student_logits.shape != teacher_logits.shape:
-        raise ValueError(
-            f"student_logits {tuple(student_logits.shape)} and teacher_logits {tuple(teacher_logits.shape)} "
-            "must have the same shape; slice both to the shared vocabulary first."
-        )
-    vocab = student_logits.shape[-1]
-    if mask is not None:
-        student_logits, teacher_logits = student_logits[mask], teacher_logits[mask]
-    s = student_logits.reshape(-1, vocab)
-    t = teacher_logits.reshape(-1, vocab)
-    dtype = torch.promote_types(s.dtype, torch.float32)
-    s_logp = F.log_softmax(_div(s.to(dtype), temperature), dim=-1)
-    t_logp = F.log_softmax(_div(t.to(dtype), temperature), dim=-1)
-    per_token = per_token_divergence(s_logp, t_logp, loss_type, beta=beta, skew_alpha=skew_alpha)
-    return _normalise(per_token.sum(), s.shape[0], num_items_in_batch)
+    def per_token(self, student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
+        """This divergence per token: log-probs ``[N, V]`` x2 -> ``[N]``."""
+        return DIVERGENCES[self.divergence](student_logp, teacher_logp, self.beta, self.skew_alpha)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -193,7 +107,7 @@ def _forward_kl_closed_form(s_logits: Tensor, t_logp: Tensor, temperature: float
     """Σ_rows KL(p ‖ q) and its gradient w.r.t. ``s_logits``, (q − p) / T, without autograd (autograd: q·Σp − p).
 
     Overwrites ``t_logp``; allocates no ``[c, V]`` temporaries beyond ``log q`` and ``p``."""
-    s_logp = F.log_softmax(_div(s_logits, temperature), dim=-1)
+    s_logp = F.log_softmax(at_temperature(s_logits, temperature), dim=-1)
     p = t_logp.exp()
     diff = t_logp.sub_(s_logp)  # log p − log q
     grad = s_logp.exp_().sub_(p)  # q − p
@@ -226,37 +140,37 @@ def _backprop(g: Tensor, hs: Tensor, weight: Tensor | None, gh: Tensor | None, g
 class DenseTeacherSignal:
     """The teacher side of the chunked loss from its hidden states: log-probs ``[c, vocab]`` one chunk at a time.
 
-    ``hidden`` ``[n, H_t]`` holds the selected rows only; the lm_head's first ``vocab`` rows are used. Without a
-    weight, ``hidden`` ``[n, V_t]`` are the teacher's own logits."""
+    ``states`` ``[n, H_t]`` hold the selected rows only, projected through ``head`` (its first ``vocab`` rows); with no
+    head, ``states`` ``[n, V_t]`` are the teacher's own logits."""
 
     closed_form = True  # the chunk is full log-probs: the forward KL gradient has a closed form
 
-    def __init__(self, hidden, weight, bias, vocab, scale, softcap, temperature, compute):
-        self.hidden, self.vocab = hidden, vocab
-        self.weight = None if weight is None else weight[:vocab]
-        self.bias = None if bias is None else bias[:vocab]
-        self.scale, self.softcap, self.temperature, self.compute = scale, softcap, temperature, compute
+    def __init__(self, states: Tensor, head: LMHead | None, vocab: int, temperature: float):
+        self.states, self.head, self.vocab, self.temperature = states, head, vocab, temperature
+        if head is not None:
+            self.weight = head.weight.detach()[:vocab]
+            self.bias = None if head.bias is None else head.bias.detach()[:vocab]
 
-    def chunk(self, rows: slice) -> Tensor:
-        if self.weight is None:
-            logits = self.hidden[rows, : self.vocab].to(self.compute)
+    def chunk(self, rows: slice, compute: torch.dtype) -> Tensor:
+        if self.head is None:
+            logits = self.states[rows, : self.vocab].to(compute)
         else:
-            logits = F.linear(self.hidden[rows], self.weight, self.bias).to(self.compute)
-        return F.log_softmax(_div(finalise_logits(logits, self.scale, self.softcap), self.temperature), dim=-1)
+            logits = F.linear(self.states[rows], self.weight, self.bias).to(compute)
+            logits = finalise_logits(logits, self.head.logit_scale, self.head.softcap)
+        return F.log_softmax(at_temperature(logits, self.temperature), dim=-1)
 
     @staticmethod
-    def per_token(student_logp: Tensor, teacher_logp: Tensor, cfg: dict) -> Tensor:
-        return per_token_divergence(
-            student_logp, teacher_logp, cfg["loss_type"], beta=cfg["beta"], skew_alpha=cfg["skew_alpha"]
-        )
+    def per_token(student_logp: Tensor, teacher_logp: Tensor, settings: LossSettings) -> Tensor:
+        return settings.per_token(student_logp, teacher_logp)
 
 
 class _ChunkedDistillation(torch.autograd.Function):
     """Fused ``hidden @ W.T`` -> divergence (+ CE); gradients are computed chunk by chunk inside ``forward``.
 
     The teacher side is a signal object (`DenseTeacherSignal`, or the cached top-k one of `sparse_losses`) giving,
-    per chunk of the selected rows, what its ``per_token`` divergence compares with the student's log-probs.
-    Outputs the *sums* ``(kd_sum, ce_sum)`` over the selected rows; normalisation happens outside.
+    per chunk of the selected rows, what its ``per_token`` divergence compares with the student's log-probs. ``head``
+    carries the student's logit scale and softcap (None: ``s_hidden`` are its logits already). Outputs the *sums*
+    ``(kd_sum, ce_sum)`` over the selected rows; normalisation happens in `fused_loss`.
     """
 
     @staticmethod
@@ -268,21 +182,25 @@ class _ChunkedDistillation(torch.autograd.Function):
         rows: Tensor | None,  # [n] int64 indices of the rows carrying loss (None = all)
         labels: Tensor | None,  # [n] int64 targets for CE
         teacher,  # a teacher signal over the n selected rows, never differentiated
-        cfg: dict,
+        settings: LossSettings,
+        head: LMHead | None,  # the student's transform (scale, softcap); None: s_hidden are logits
+        vocab: int,  # the first `vocab` logits are compared
+        chunk_size: int,
+        grad_enabled: bool,  # the caller's grad mode (needs_input_grad ignores it)
     ) -> tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)
         h_s = s_hidden if rows is None else s_hidden.index_select(0, rows)
-        n, vocab, temperature = h_s.shape[0], cfg["vocab_size"], cfg["temperature"]
+        n, temperature = h_s.shape[0], settings.temperature
         compute = torch.promote_types(h_s.dtype, torch.float32)
         # needs_input_grad ignores the caller's grad mode; under torch.no_grad() (eval) skip all grad work.
-        need_h, need_w, need_b = (cfg["grad_enabled"] and x for x in ctx.needs_input_grad[:3])
+        need_h, need_w, need_b = (grad_enabled and x for x in ctx.needs_input_grad[:3])
         need_b = need_b and s_bias is not None
         has_ce = labels is not None
         # A term whose weight is 0 (alpha = 1 or 0) is still computed for logging, but gets no gradient buffers.
-        kd_grad, ce_grad = cfg["kd_grad"], cfg["ce_grad"] and has_ce
+        kd_grad, ce_grad = settings.kd_grad, settings.ce_grad and has_ce
         want_grad = (need_h or need_w or need_b) and (kd_grad or ce_grad)
         # d kd / d logits in closed form
-        closed_form = want_grad and kd_grad and cfg["loss_type"] == "forward_kl" and teacher.closed_form
+        closed_form = want_grad and kd_grad and settings.divergence == "forward_kl" and teacher.closed_form
         g_cols = h_s.shape[1] if s_weight is None else s_weight.shape[0]
 
         # Per-row grads are written once (rows never repeat); weight/bias grads are accumulated in >= fp32.
@@ -296,17 +214,18 @@ class _ChunkedDistillation(torch.autograd.Function):
         kd_sum = h_s.new_zeros((), dtype=compute)
         ce_sum = h_s.new_zeros((), dtype=compute)
 
-        for start in range(0, n, cfg["chunk_size"]):
-            rows_c = slice(start, start + cfg["chunk_size"])
+        scale, softcap = (None, None) if head is None else (head.logit_scale, head.softcap)
+        for start in range(0, n, chunk_size):
+            rows_c = slice(start, start + chunk_size)
             hs = h_s[rows_c]
-            signal = teacher.chunk(rows_c)
+            signal = teacher.chunk(rows_c, compute)
             if s_weight is None:  # the model's own logits: a copy, so nothing below writes into them
                 raw = hs.detach().to(compute, copy=True)
             else:
                 raw = F.linear(hs, s_weight, s_bias).to(compute)  # [c, V_s], made a leaf below
             with torch.set_grad_enabled(want_grad):
                 raw.requires_grad_(want_grad)
-                logits = finalise_logits(raw, cfg["s_scale"], cfg["s_softcap"])
+                logits = finalise_logits(raw, scale, softcap)
                 if closed_form:
                     with torch.no_grad():
                         kd, g = _forward_kl_closed_form(logits[:, :vocab], signal, temperature)
@@ -316,8 +235,8 @@ class _ChunkedDistillation(torch.autograd.Function):
                     outputs = []
                 else:
                     with torch.set_grad_enabled(want_grad and kd_grad):
-                        s_logp = F.log_softmax(_div(logits[:, :vocab], temperature), dim=-1)
-                        kd = teacher.per_token(s_logp, signal, cfg).sum()
+                        s_logp = F.log_softmax(at_temperature(logits[:, :vocab], temperature), dim=-1)
+                        kd = teacher.per_token(s_logp, signal, settings).sum()
                     outputs = [(kd, gh_kd, gw_kd, gb_kd)] if want_grad and kd_grad else []
                 del signal
                 if has_ce:
@@ -362,7 +281,62 @@ class _ChunkedDistillation(torch.autograd.Function):
         grad_h = combine(gh_kd, gh_ce)
         if grad_h is not None and rows is not None:
             grad_h = grad_h.new_zeros(ctx.hidden_shape).index_copy_(0, rows, grad_h)
-        return grad_h, combine(gw_kd, gw_ce), combine(gb_kd, gb_ce), None, None, None, None
+        return grad_h, combine(gw_kd, gw_ce), combine(gb_kd, gb_ce), *([None] * 9)
+
+
+def select_loss_rows(
+    states: Tensor, mask: Tensor | None, labels: Tensor | None = None
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Flatten ``states`` ``[B, T, F]`` (or ``[N, F]``) and pick the rows where ``mask`` ``[B, T]`` is True.
+
+    Returns ``(flat [N, F], rows [n] int64 row-major indices or None for all, labels [n] or None)``.
+    """
+    lead = states.shape[:-1]
+    for name, t in (("mask", mask), ("labels", labels)):
+        if t is not None and t.shape != lead:
+            raise ValueError(f"{name} shape {tuple(t.shape)} must equal the hidden leading shape {tuple(lead)}.")
+    flat = states.reshape(-1, states.shape[-1])
+    rows = None if mask is None else mask.reshape(-1).nonzero().squeeze(1)
+    if labels is not None:
+        labels = labels.reshape(-1) if rows is None else labels.reshape(-1).index_select(0, rows)
+    return flat, rows, labels
+
+
+def head_shape(states: Tensor, head: LMHead | None) -> tuple[int, int]:
+    """``(V, H)`` of a head's weight; without a head, ``states`` are logits: ``(V, V)``."""
+    return (states.shape[-1], states.shape[-1]) if head is None else tuple(head.weight.shape)
+
+
+def fused_loss(
+    student_states: Tensor,
+    student_head: LMHead | None,
+    teacher,
+    settings: LossSettings,
+    rows: Tensor | None,
+    labels: Tensor | None = None,
+    num_items_in_batch: int | Tensor | None = None,
+) -> DistillationLossOutput:
+    """KD (and CE with ``labels``) over the selected ``rows`` of ``student_states`` ``[N, F]``, a chunk at a time.
+
+    ``student_head`` projects the states to logits (None: the states are the student's logits); ``teacher`` is a
+    signal over the same rows, in order (`DenseTeacherSignal`, `sparse_losses.SparseSignalChunks`). Both terms are
+    sums over the rows / ``num_items_in_batch`` (else / the row count), in >= fp32, without T² scaling.
+    """
+    v_s, h_dim = head_shape(student_states, student_head)
+    if student_states.shape[-1] != h_dim:
+        raise ValueError(f"hidden size {student_states.shape[-1]} does not match the lm_head {(v_s, h_dim)}.")
+    vocab = settings.vocab_size or v_s
+    if vocab > v_s:
+        raise ValueError(f"vocab_size={vocab} must be in [1, the student's vocabulary {v_s}].")
+    n = student_states.shape[0] if rows is None else rows.numel()
+    chunk = min(settings.chunk_size or default_chunk_size(v_s), max(n, 1))
+    weight = None if student_head is None else student_head.weight
+    bias = None if student_head is None else student_head.bias
+    kd_sum, ce_sum = _ChunkedDistillation.apply(student_states, weight, bias, rows, labels, teacher, settings,
+                                                student_head, vocab, chunk, torch.is_grad_enabled())
+    kd = normalise_sum(kd_sum, n, num_items_in_batch)
+    ce = normalise_sum(ce_sum, n, num_items_in_batch) if labels is not None else None
+    return DistillationLossOutput(kd, ce)
 
 
 def chunked_distillation_loss(
@@ -389,7 +363,8 @@ def chunked_distillation_loss(
     kd_grad: bool = True,
     ce_grad: bool = True,
 ) -> DistillationLossOutput:
-    """Distillation loss straight from hidden states, never materialising full ``[N, V]`` logits.
+    """Distillation loss straight from hidden states, never materialising full ``[N, V]`` logits (functional form
+    of `fused_loss`).
 
     Shapes: hidden ``[B, T, H_s]`` / ``[B, T, H_t]`` with mask/labels ``[B, T]``, or ``[N, H]`` with ``[N]``;
     weights ``[V_s, H_s]`` / ``[V_t, H_t]``, biases ``[V_s]`` / ``[V_t]``. Rows where ``mask`` is True are
@@ -404,100 +379,40 @@ def chunked_distillation_loss(
     logits ``[..., V]`` (a model's own, see `trl_distill.logit_check`): they are used as they are (no bias, scale or
     softcap is applied), chunk by chunk all the same.
     """
-    _check_args(loss_type, beta, skew_alpha, temperature)
-    v_s, h_s_dim = _head_shape(student_hidden, student_lm_head_weight)
-    v_t, h_t_dim = _head_shape(teacher_hidden, teacher_lm_head_weight)
+    student_head = _head("student", student_lm_head_weight, student_lm_head_bias, student_logit_scale, student_softcap)
+    teacher_head = _head("teacher", teacher_lm_head_weight, teacher_lm_head_bias, teacher_logit_scale, teacher_softcap)
+    (v_s, h_s_dim), (v_t, h_t_dim) = head_shape(student_hidden, student_head), head_shape(teacher_hidden, teacher_head)
     if student_hidden.shape[-1] != h_s_dim or teacher_hidden.shape[-1] != h_t_dim:
         raise ValueError(
             f"hidden sizes {student_hidden.shape[-1]} / {teacher_hidden.shape[-1]} do not match the lm_head "
             f"weights {(v_s, h_s_dim)} / {(v_t, h_t_dim)}."
         )
-    lead = student_hidden.shape[:-1]
-    if teacher_hidden.shape[:-1] != lead:
-        raise ValueError(
-            f"student/teacher hidden leading shapes differ: {tuple(lead)} vs {tuple(teacher_hidden.shape[:-1])}."
-        )
-    for name, t in (("mask", mask), ("labels", labels)):
-        if t is not None and t.shape != lead:
-            raise ValueError(f"{name} shape {tuple(t.shape)} must equal the hidden leading shape {tuple(lead)}.")
-    if vocab_size is None:
-        vocab_size = min(v_s, v_t)
-    elif vocab_size > min(v_s, v_t) or vocab_size < 1:
+    if teacher_hidden.shape[:-1] != student_hidden.shape[:-1]:
+        raise ValueError(f"student/teacher hidden leading shapes differ: {tuple(student_hidden.shape[:-1])} vs "
+                         f"{tuple(teacher_hidden.shape[:-1])}.")
+    if vocab_size is not None and not 1 <= vocab_size <= min(v_s, v_t):
         raise ValueError(f"vocab_size={vocab_size} must be in [1, min(student vocab {v_s}, teacher vocab {v_t})].")
-    for name, cap in (("student_softcap", student_softcap), ("teacher_softcap", teacher_softcap)):
-        if cap is not None and not cap > 0:
-            raise ValueError(f"{name} must be > 0, got {cap}.")
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
-
-    s_flat = student_hidden.reshape(-1, h_s_dim)
-    t_flat = teacher_hidden.detach().reshape(-1, h_t_dim)
-    rows = None if mask is None else mask.reshape(-1).nonzero().squeeze(1)
-    if labels is not None:
-        labels = labels.reshape(-1) if rows is None else labels.reshape(-1).index_select(0, rows)
-    t_rows = t_flat if rows is None else t_flat.index_select(0, rows)
-    t_bias = None if teacher_lm_head_bias is None else teacher_lm_head_bias.detach()
-    compute = torch.promote_types(s_flat.dtype, torch.float32)
-    t_weight = None if teacher_lm_head_weight is None else teacher_lm_head_weight.detach()
-    teacher = DenseTeacherSignal(t_rows, t_weight, t_bias, vocab_size, teacher_logit_scale, teacher_softcap,
-                                 temperature, compute)
-    return _run_chunked(
-        s_flat, student_lm_head_weight, student_lm_head_bias, rows, labels, teacher, num_items_in_batch,
-        loss_type=loss_type, beta=beta, skew_alpha=skew_alpha, temperature=temperature, vocab_size=vocab_size,
-        chunk_size=chunk_size, s_scale=student_logit_scale, s_softcap=student_softcap, kd_grad=kd_grad,
-        ce_grad=ce_grad,
-    )  # fmt: skip
+    settings = LossSettings(loss_type, beta, skew_alpha, temperature, chunk_size, vocab_size or min(v_s, v_t),
+                            kd_grad, ce_grad)
+    s_flat, rows, labels = select_loss_rows(student_hidden, mask, labels)
+    teacher = DenseTeacherSignal(_rows(teacher_hidden.detach(), rows), teacher_head, settings.vocab_size, temperature)
+    return fused_loss(s_flat, student_head, teacher, settings, rows, labels, num_items_in_batch)
 
 
-def _head_shape(hidden: Tensor, weight: Tensor | None) -> tuple[int, int]:
-    """``(V, H)`` of an lm_head weight; without one, ``hidden`` are logits: ``(V, V)``."""
-    return (hidden.shape[-1], hidden.shape[-1]) if weight is None else tuple(weight.shape)
+def chunked_divergence(*args, **kwargs) -> Tensor:
+    """KD-only `chunked_distillation_loss` (same arguments, no labels); returns the scalar ``kd`` loss."""
+    if kwargs.get("labels") is not None:
+        raise TypeError("chunked_divergence takes no labels; use chunked_distillation_loss for KD and CE.")
+    return chunked_distillation_loss(*args, **kwargs).kd
 
 
-def default_chunk_size(vocab: int) -> int:
-    """Rows per chunk so that one chunk of fp32 logits holds about 2^25 elements (128 MiB)."""
-    return max(1, _AUTO_CHUNK_ELEMENTS // vocab)
+def _head(side: str, weight: Tensor | None, bias: Tensor | None, scale: float | None,
+          softcap: float | None) -> LMHead | None:
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"{side}_softcap must be > 0, got {softcap}.")
+    return None if weight is None else LMHead(weight, bias, scale, softcap)
 
 
-def _run_chunked(s_flat, weight, bias, rows, labels, teacher, num_items_in_batch, *, chunk_size, **settings):
-    """Run `_ChunkedDistillation` over the selected rows of ``s_flat`` ``[N, H]`` against a teacher signal and
-    normalise its sums (see `chunked_distillation_loss`). ``settings``: the cfg keys the Function reads."""
-    n = s_flat.shape[0] if rows is None else rows.numel()
-    if chunk_size is None:
-        chunk_size = default_chunk_size(s_flat.shape[1] if weight is None else weight.shape[0])
-    cfg = {"grad_enabled": torch.is_grad_enabled(), "chunk_size": min(chunk_size, max(n, 1)), **settings}
-    kd_sum, ce_sum = _ChunkedDistillation.apply(s_flat, weight, bias, rows, labels, teacher, cfg)
-    kd = _normalise(kd_sum, n, num_items_in_batch)
-    ce = _normalise(ce_sum, n, num_items_in_batch) if labels is not None else None
-    return DistillationLossOutput(kd, ce)
-
-
-def chunked_divergence(
-    student_hidden: Tensor,
-    student_lm_head_weight: Tensor | None,
-    teacher_hidden: Tensor,
-    teacher_lm_head_weight: Tensor | None,
-    mask: Tensor | None = None,
-    loss_type: str = "forward_kl",
-    *,
-    student_lm_head_bias: Tensor | None = None,
-    teacher_lm_head_bias: Tensor | None = None,
-    beta: float = 0.5,
-    skew_alpha: float = 0.1,
-    temperature: float = 1.0,
-    num_items_in_batch: int | Tensor | None = None,
-    chunk_size: int | None = None,
-    vocab_size: int | None = None,
-    student_logit_scale: float | None = None,
-    teacher_logit_scale: float | None = None,
-    student_softcap: float | None = None,
-    teacher_softcap: float | None = None,
-) -> Tensor:
-    """KD-only :func:`chunked_distillation_loss` (no labels); returns the scalar ``kd`` loss."""
-    return chunked_distillation_loss(
-        student_hidden, student_lm_head_weight, teacher_hidden, teacher_lm_head_weight, mask, loss_type,
-        student_lm_head_bias=student_lm_head_bias, teacher_lm_head_bias=teacher_lm_head_bias, beta=beta,
-        skew_alpha=skew_alpha, temperature=temperature, num_items_in_batch=num_items_in_batch,
-        chunk_size=chunk_size, vocab_size=vocab_size, student_logit_scale=student_logit_scale,
-        teacher_logit_scale=teacher_logit_scale, student_softcap=student_softcap, teacher_softcap=teacher_softcap,
-    ).kd  # fmt: skip
+def _rows(states: Tensor, rows: Tensor | None) -> Tensor:
+    flat = states.reshape(-1, states.shape[-1])
+    return flat if rows is None else flat.index_select(0, rows)

@@ -90,3 +90,68 @@ def sample_completions(model, batch: dict, generation_kwargs: dict, pad_id: int,
         model.train(was_training)
     completions = trim_after_eos(out[:, ids.shape[1] :], eos_ids)
     return completion_batch(prompts, completions, pad_id), completions
+
+
+def refuse_zero3_student_sampling(args, student_plugin) -> None:
+    """Sampling from a ZeRO-3 student is not supported yet: one clear error before any engine is built."""
+    if args.lmbda > 0 and student_plugin is not None and student_plugin.zero_stage == 3:
+        raise ValueError(
+            "On-policy distillation (lmbda > 0) with a ZeRO-3 student is not supported yet: sample from a ZeRO-2 "
+            "(or ZeRO-0/1) student, or set lmbda=0."
+        )
+
+
+class CompletionSampler:
+    """A `DistillationTrainer`'s on-policy / sequence-level side: draws each step's source, samples the completions
+    and counts what it sampled for the logs (`on_policy_fraction`, `generated_length`)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.stats = dict.fromkeys(("micro_steps", "on_policy", "rows", "tokens"), 0)
+        self.last: tuple[str, list[torch.Tensor]] | None = None  # (source, completions) of the last sampled batch
+
+    @property
+    def active(self) -> bool:
+        return self.trainer.args.lmbda > 0 or self.trainer.args.seq_kd
+
+    def maybe_resample(self, inputs: dict) -> tuple[dict, bool]:
+        """The micro-batch to train on, and whether its completions were sampled (not the dataset's)."""
+        trainer, args = self.trainer, self.trainer.args
+        source = completion_source(args.lmbda, args.seq_kd, args.seed, trainer.state.global_step)
+        self.stats["micro_steps"] += 1
+        if source == DATASET:
+            return inputs, False
+        inputs, completions = self.sample(source, trainer._prepare_inputs(inputs))
+        self.last = (source, completions)
+        self.stats["on_policy"] += source == STUDENT
+        self.stats["rows"] += len(completions)
+        self.stats["tokens"] += sum(len(c) for c in completions)
+        return inputs, True
+
+    def sample(self, source: str, batch: dict) -> tuple[dict, list[torch.Tensor]]:
+        """`batch` with its completions sampled by `source` (the student or the teacher), and those completions."""
+        trainer, args = self.trainer, self.trainer.args
+        tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+        eos_ids = {tokenizer.eos_token_id}
+        kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=True, temperature=args.generation_temperature,
+                      top_p=args.generation_top_p, top_k=args.generation_top_k, eos_token_id=sorted(eos_ids))
+        processes = trainer.accelerator.num_processes
+        if source == STUDENT:
+            model, context = trainer.accelerator.unwrap_model(trainer.model_wrapped), contextlib.nullcontext
+            plugin = trainer.accelerator.state.deepspeed_plugin if trainer.is_deepspeed_enabled else None
+            synced = processes > 1 and plugin is not None and plugin.zero_stage == 3
+        else:
+            model, context, synced = trainer.teacher.generation(processes)
+        new_batch, completions = sample_completions(model, batch, kwargs, tokenizer.pad_token_id, eos_ids, synced,
+                                                    context)
+        return {k: v.to(batch["input_ids"].device) for k, v in new_batch.items()}, completions
+
+    def log_into(self, logs: dict, accelerator, device) -> None:
+        """Add the sampled share and length since the last log, summed over ranks (collective)."""
+        if not self.active:
+            return
+        stats = torch.tensor([float(v) for v in self.stats.values()], device=device)
+        micro_steps, on_policy, rows, tokens = accelerator.reduce(stats, reduction="sum").tolist()
+        logs["on_policy_fraction"] = on_policy / max(micro_steps, 1)
+        logs["generated_length"] = tokens / max(rows, 1)
+        self.stats = dict.fromkeys(self.stats, 0)

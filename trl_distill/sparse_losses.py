@@ -23,9 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .losses import DistillationLossOutput, _check_args, _div, _head_shape, _run_chunked, per_token_divergence
+from .divergences import at_temperature
+from .losses import DistillationLossOutput, LossSettings, fused_loss, head_shape, select_loss_rows
+from .modeling import LMHead
 
-__all__ = ["SparseTeacherSignal", "sparse_distillation_loss", "top_k_teacher_signal"]
+__all__ = ["SparseSignalChunks", "SparseTeacherSignal", "sparse_distillation_loss", "top_k_teacher_signal"]
 
 # An empty bucket's log-probability (k = V leaves no tail): finite, so neither values nor gradients become NaN,
 # and exp() of it is exactly 0 in fp32, so it adds nothing to any divergence.
@@ -46,7 +48,7 @@ def top_k_teacher_signal(logits: Tensor, k: int, temperature: float = 1.0) -> Sp
     log-probabilities at ``temperature`` and the log of the remaining mass (``-inf`` when k = V)."""
     if not 1 <= k <= logits.shape[-1]:
         raise ValueError(f"k must be in [1, vocabulary size {logits.shape[-1]}], got {k}.")
-    log_probs = F.log_softmax(_div(logits.float(), temperature), dim=-1)
+    log_probs = F.log_softmax(at_temperature(logits.float(), temperature), dim=-1)
     top, ids = log_probs.topk(k, dim=-1)
     tail = log_probs.scatter(1, ids, float("-inf")).logsumexp(-1)
     return SparseTeacherSignal(ids, top, tail)
@@ -59,26 +61,34 @@ def bucketed(student_log_probs: Tensor, ids: Tensor) -> Tensor:
     return torch.cat([top, tail.clamp_min(_EMPTY_LOG_PROB)], dim=1)
 
 
-class _SparseSignalChunks:
-    """The teacher side of the chunked loss (see `losses._ChunkedDistillation`) from a cached sparse signal."""
+class SparseSignalChunks:
+    """The teacher side of the chunked loss (see `losses.fused_loss`) from a cached sparse signal over ``n`` selected
+    tokens, checked against the batch (row count, ids below ``vocab``)."""
 
     closed_form = False
 
-    def __init__(self, signal: SparseTeacherSignal):
+    def __init__(self, signal: SparseTeacherSignal, n: int, vocab: int):
+        k = signal.ids.shape[-1] if signal.ids.dim() == 2 else 0
+        if signal.ids.shape != (n, k) or signal.log_probs.shape != (n, k) or signal.tail_log_prob.shape != (n,):
+            raise ValueError(
+                f"The sparse teacher signal has {signal.ids.shape[0]} rows (ids {tuple(signal.ids.shape)}, log-probs "
+                f"{tuple(signal.log_probs.shape)}, tail {tuple(signal.tail_log_prob.shape)}) but the batch has {n} "
+                "loss tokens: the cache was written for other data."
+            )
+        if n and k and int(signal.ids.max()) >= vocab:
+            raise ValueError(f"The sparse teacher signal holds token id {int(signal.ids.max())} >= vocab_size "
+                             f"{vocab}.")
         self.signal = signal
 
-    def chunk(self, rows: slice) -> tuple[Tensor, Tensor]:
+    def chunk(self, rows: slice, compute: torch.dtype) -> tuple[Tensor, Tensor]:
         ids = self.signal.ids[rows].long()
-        tail = self.signal.tail_log_prob[rows].float().clamp_min(_EMPTY_LOG_PROB).unsqueeze(1)
-        return ids, torch.cat([self.signal.log_probs[rows].float().clamp_min(_EMPTY_LOG_PROB), tail], dim=1)
+        tail = self.signal.tail_log_prob[rows].to(compute).clamp_min(_EMPTY_LOG_PROB).unsqueeze(1)
+        return ids, torch.cat([self.signal.log_probs[rows].to(compute).clamp_min(_EMPTY_LOG_PROB), tail], dim=1)
 
     @staticmethod
-    def per_token(student_logp: Tensor, chunk: tuple[Tensor, Tensor], cfg: dict) -> Tensor:
+    def per_token(student_logp: Tensor, chunk: tuple[Tensor, Tensor], settings: LossSettings) -> Tensor:
         ids, teacher_buckets = chunk
-        return per_token_divergence(
-            bucketed(student_logp, ids), teacher_buckets.to(student_logp.dtype), cfg["loss_type"],
-            beta=cfg["beta"], skew_alpha=cfg["skew_alpha"],
-        )  # fmt: skip
+        return settings.per_token(bucketed(student_logp, ids), teacher_buckets.to(student_logp.dtype))
 
 
 def sparse_distillation_loss(
@@ -107,37 +117,12 @@ def sparse_distillation_loss(
     first ``vocab_size`` logits (default: all). Everything else is as in `chunked_distillation_loss` (a None
     weight: ``student_hidden`` are the student's own logits).
     """
-    _check_args(loss_type, beta, skew_alpha, temperature)
-    v_s, h_dim = _head_shape(student_hidden, student_lm_head_weight)
-    if student_hidden.shape[-1] != h_dim:
-        raise ValueError(f"hidden size {student_hidden.shape[-1]} does not match the lm_head {(v_s, h_dim)}.")
-    lead = student_hidden.shape[:-1]
-    for name, t in (("mask", mask), ("labels", labels)):
-        if t is not None and t.shape != lead:
-            raise ValueError(f"{name} shape {tuple(t.shape)} must equal the hidden leading shape {tuple(lead)}.")
-    vocab_size = v_s if vocab_size is None else vocab_size
-    if not 1 <= vocab_size <= v_s:
-        raise ValueError(f"vocab_size={vocab_size} must be in [1, the student's vocabulary {v_s}].")
-    s_flat = student_hidden.reshape(-1, h_dim)
-    rows = None if mask is None else mask.reshape(-1).nonzero().squeeze(1)
+    head = None if student_lm_head_weight is None else LMHead(
+        student_lm_head_weight, student_lm_head_bias, student_logit_scale, student_softcap)
+    v_s = head_shape(student_hidden, head)[0]
+    settings = LossSettings(loss_type, beta, skew_alpha, temperature, chunk_size, vocab_size or v_s, kd_grad,
+                            ce_grad)
+    s_flat, rows, labels = select_loss_rows(student_hidden, mask, labels)
     n = s_flat.shape[0] if rows is None else rows.numel()
-    k = teacher.ids.shape[-1] if teacher.ids.dim() == 2 else 0
-    if teacher.ids.shape != (n, k) or teacher.log_probs.shape != (n, k) or teacher.tail_log_prob.shape != (n,):
-        raise ValueError(
-            f"The sparse teacher signal has {teacher.ids.shape[0]} rows (ids {tuple(teacher.ids.shape)}, log-probs "
-            f"{tuple(teacher.log_probs.shape)}, tail {tuple(teacher.tail_log_prob.shape)}) but the batch has {n} "
-            "loss tokens: the cache was written for other data."
-        )
-    if n and k and int(teacher.ids.max()) >= vocab_size:
-        raise ValueError(f"The sparse teacher signal holds token id {int(teacher.ids.max())} >= vocab_size "
-                         f"{vocab_size}.")
-    if labels is not None:
-        labels = labels.reshape(-1) if rows is None else labels.reshape(-1).index_select(0, rows)
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
-    return _run_chunked(
-        s_flat, student_lm_head_weight, student_lm_head_bias, rows, labels, _SparseSignalChunks(teacher),
-        num_items_in_batch, loss_type=loss_type, beta=beta, skew_alpha=skew_alpha, temperature=temperature,
-        vocab_size=vocab_size, chunk_size=chunk_size, s_scale=student_logit_scale, s_softcap=student_softcap,
-        kd_grad=kd_grad, ce_grad=ce_grad,
-    )  # fmt: skip
+    return fused_loss(s_flat, head, SparseSignalChunks(teacher, n, settings.vocab_size), settings, rows, labels,
+                      num_items_in_batch)

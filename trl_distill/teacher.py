@@ -1,4 +1,5 @@
-"""The teacher's whole lifecycle: load (partitioned from the start), prepare once, run frozen, never save.
+"""The teacher's whole lifecycle: its DeepSpeed plugin, load (partitioned from the start), prepare once, run frozen
+(features for the loss, a model to sample from), never save.
 
 With DeepSpeed the teacher has its own plugin ("teacher", ZeRO-3 inference) beside the student's ("student").
 It is loaded while its plugin is selected, so `from_pretrained` runs under `zero.Init` and no rank ever holds
@@ -15,11 +16,13 @@ import logging
 import os
 
 import torch
+from accelerate.utils import DeepSpeedPlugin
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from .modeling import LossFeatures, add_fused_distillation_forward
+from .deepspeed_config import build_teacher_config
+from .modeling import LossFeatures, add_fused_distillation_forward, hidden_size
 from .validation import check_model_path
 from .zero3_loading import load_partitioned, loadable
 
@@ -102,6 +105,24 @@ class Teacher:
     def prepared(self) -> bool:
         return self.engine is not None
 
+    def plugin(self, args, student_plugin) -> DeepSpeedPlugin:
+        """The teacher's own DeepSpeed plugin beside `student_plugin`: ZeRO-3 inference unless `args.teacher_deepspeed`
+        says otherwise (see `deepspeed_config.build_teacher_config`). `config_notes` says what was filled."""
+        self.config_notes: list[str] = []
+        config = build_teacher_config(args.teacher_deepspeed, student_plugin.deepspeed_config, args,
+                                      hidden_size(self.config), notes=self.config_notes)
+        stage = config["zero_optimization"].get("stage", 0)
+        if args.seq_kd and stage == 3:
+            # Sampling runs the teacher's own lm_head, which our loss gathers itself; DeepSpeed's prefetcher would
+            # then have it in flight when the loss gathers it (deepspeed 0.19.8). Fetch on demand instead.
+            config["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
+        return DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=stage == 3)
+
+    def generation(self, num_processes: int) -> tuple[nn.Module, object, bool]:
+        """``(model, context, synced_gpus)`` for sampling from the teacher: a partitioned teacher samples with every
+        rank stepping until all ranks are done."""
+        return self.module, contextlib.nullcontext, num_processes > 1 and self.engine is not self.module
+
     def _load(self) -> PreTrainedModel:
         if isinstance(self.source, PreTrainedModel):
             return self.source
@@ -168,6 +189,10 @@ class SelfTeacher:
     def prepare(self, accelerator, device: torch.device) -> None:
         """Nothing to load or prepare: the student's engine already holds the weights."""
 
+    def generation(self, num_processes: int) -> tuple[nn.Module, object, bool]:
+        """Sampling from the base: the PEFT model with its adapters disabled."""
+        return self.peft_model, self.peft_model.disable_adapter, False
+
     @torch.no_grad()
     def features(self, model_inputs: dict, positions: torch.Tensor | None = None) -> LossFeatures:
         was_training = self.module.training
@@ -187,3 +212,32 @@ def _as_is(features: LossFeatures) -> LossFeatures:
 def _freeze(model: nn.Module) -> None:
     model.eval()
     model.requires_grad_(False)
+
+
+def resolve_teacher(teacher_model, args, eval_dataset, student, peft_config):
+    """What the student learns from: ``(teacher, cache)``, one of them None.
+
+    `teacher_model` (else ``args.teacher_model_name_or_path``) becomes a `Teacher`, ``"self"`` the marker `SELF`
+    (a `SelfTeacher` once the PEFT student exists); ``args.teacher_cache`` replaces the teacher by a `TeacherCache`.
+    """
+    from .cache.reader import TeacherCache
+
+    teacher_model = teacher_model if teacher_model is not None else args.teacher_model_name_or_path
+    if args.teacher_cache is not None:
+        if teacher_model is not None:
+            logger.warning("Training from the teacher cache %s: the teacher %s is not loaded.", args.teacher_cache,
+                           teacher_model if isinstance(teacher_model, str) else "model")
+        if eval_dataset is not None:
+            raise ValueError("Evaluation needs the teacher's distribution on the eval split, which the teacher cache "
+                             "does not hold: pass no eval_dataset (--eval_strategy no) with teacher_cache.")
+        return None, TeacherCache(args.teacher_cache)
+    if teacher_model is None:
+        raise ValueError("No teacher: pass `teacher_model=` or set `teacher_model_name_or_path` in the config.")
+    if isinstance(teacher_model, str) and teacher_model == SELF:
+        if peft_config is None and not hasattr(student, "disable_adapter"):
+            raise ValueError(
+                "teacher 'self' (self-distillation) uses the student's base model with its LoRA adapters disabled, so "
+                "it needs a PEFT student: pass `peft_config=` (CLI: --use_peft)."
+            )
+        return SELF, None
+    return Teacher(teacher_model, args.teacher_model_init_kwargs), None

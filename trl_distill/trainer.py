@@ -3,31 +3,27 @@ a student trained with any ZeRO stage (or without DeepSpeed)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 from functools import partial
 
 import torch
-from accelerate.utils import DeepSpeedPlugin
 from transformers import PreTrainedModel, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-from trl import SFTConfig, SFTTrainer
+from trl import SFTTrainer
 
-from .cache.reader import ROW, TeacherCache, pop_signal, train_from_cache
+from .cache.reader import ROW, pop_signal, train_from_cache
 from .checkpoints import mark_complete, resolve_resume
-from .config import DistillationConfig
-from .data import resolve_assistant_only_loss
-from .deepspeed_config import build_teacher_config
+from .config import DistillationConfig, as_distillation_config
+from .data import resolve_assistant_only_loss, student_tokenizer
 from .logit_check import probe_inputs, settle_logit_paths
-from .losses import chunked_distillation_loss
-from .modeling import LossFeatures, add_fused_distillation_forward, gathered, hidden_size
-from .on_policy import DATASET, completion_source, sample_completions
-from .on_policy import STUDENT as STUDENT_SOURCE
-from .sparse_losses import sparse_distillation_loss
-from .teacher import SELF, STUDENT, TEACHER, SelfTeacher, Teacher
-from .validation import check_dataset_not_empty, check_teacher_finite, check_tokenizers_match
+from .losses import DenseTeacherSignal, LossSettings, fused_loss, select_loss_rows
+from .modeling import LossFeatures, add_fused_distillation_forward, gathered
+from .on_policy import CompletionSampler, refuse_zero3_student_sampling
+from .sparse_losses import SparseSignalChunks
+from .teacher import SELF, STUDENT, TEACHER, SelfTeacher, Teacher, resolve_teacher
+from .validation import check_dataset_not_empty, check_teacher_finite, check_tokenizers_match, shared_vocab_size
 
 logger = logging.getLogger(__name__)
 
@@ -79,34 +75,11 @@ class DistillationTrainer(SFTTrainer):
                 "DistillationTrainer(model, teacher_model, args, ...): the second positional argument is the teacher. "
                 "Pass the training arguments by keyword, `args=...`."
             )
-        if args is None:
-            args = DistillationConfig(output_dir="distilled-model")
-        elif not isinstance(args, DistillationConfig):
-            args = _as_distillation_config(args)
-        teacher_model = teacher_model if teacher_model is not None else args.teacher_model_name_or_path
-        self.teacher_cache = TeacherCache(args.teacher_cache) if args.teacher_cache is not None else None
-        if self.teacher_cache is not None:
-            if teacher_model is not None:
-                logger.warning("Training from the teacher cache %s: the teacher %s is not loaded.",
-                               args.teacher_cache, teacher_model if isinstance(teacher_model, str) else "model")
-            if eval_dataset is not None:
-                raise ValueError("Evaluation needs the teacher's distribution on the eval split, which the teacher "
-                                 "cache does not hold: pass no eval_dataset (--eval_strategy no) with teacher_cache.")
-            teacher_model = None
-        elif teacher_model is None:
-            raise ValueError("No teacher: pass `teacher_model=` or set `teacher_model_name_or_path` in the config.")
+        args = DistillationConfig(output_dir="distilled-model") if args is None else as_distillation_config(args)
         check_dataset_not_empty(train_dataset, "train", "given")
-        self._self_distillation = isinstance(teacher_model, str) and teacher_model == SELF
-        if self._self_distillation and peft_config is None and not hasattr(model, "disable_adapter"):
-            raise ValueError(
-                "teacher 'self' (self-distillation) uses the student's base model with its LoRA adapters disabled, so "
-                "it needs a PEFT student: pass `peft_config=` (CLI: --use_peft)."
-            )
-        self.teacher = None if self._self_distillation or teacher_model is None else Teacher(
-            teacher_model, args.teacher_model_init_kwargs
-        )
+        self.teacher, self.teacher_cache = resolve_teacher(teacher_model, args, eval_dataset, model, peft_config)
         if args.assistant_only_loss is None:
-            processing_class = processing_class or _student_tokenizer(model, train_dataset)
+            processing_class = processing_class or student_tokenizer(model, train_dataset)
             args.assistant_only_loss = resolve_assistant_only_loss(None, train_dataset, processing_class)
         output_dir_existed = os.path.exists(args.output_dir)
         super().__init__(
@@ -131,7 +104,7 @@ class DistillationTrainer(SFTTrainer):
             )
         student = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         add_fused_distillation_forward(student)
-        if self._self_distillation:
+        if self.teacher == SELF:
             if not hasattr(self.model, "disable_adapter"):
                 raise ValueError("teacher 'self' needs a PEFT student; the student is not a PeftModel.")
             self.teacher = SelfTeacher(self.model)
@@ -139,10 +112,14 @@ class DistillationTrainer(SFTTrainer):
             self.teacher.init_kwargs["dtype"] = student.dtype
         teacher_config = student.config if self.teacher is None else self.teacher.config
         try:
-            self.vocab_size = self._shared_vocab_size(student.config, teacher_config, self.processing_class)
+            self.vocab_size = shared_vocab_size(student.config, teacher_config, self.processing_class)
+            self.loss_settings = LossSettings(
+                args.divergence, args.beta, args.skew_alpha, args.temperature, args.loss_chunk_size, self.vocab_size,
+                kd_grad=args.alpha > 0, ce_grad=args.alpha < 1,  # a term weighted 0 is only logged
+            )
             if self.teacher_cache is not None:
                 train_from_cache(self, self.teacher_cache)
-            elif not self._self_distillation:
+            elif isinstance(self.teacher, Teacher):
                 check_tokenizers_match(self.processing_class, self.teacher.source)
             check_dataset_not_empty(self.train_dataset, "train", "prepared", args.max_length)
             evaluation = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
@@ -158,8 +135,7 @@ class DistillationTrainer(SFTTrainer):
         self.model_accepts_loss_kwargs = True
         self._loss_shifts_labels = True
         self._distill_sums = {"kd_loss": 0.0, "ce_loss": 0.0}
-        self._generation_stats = dict.fromkeys(("micro_steps", "on_policy", "rows", "tokens"), 0)
-        self.last_completions = None
+        self.sampler = CompletionSampler(self)  # on-policy / sequence-level completions (lmbda, seq_kd)
         self._distill_last_logged_step = 0
         self._logit_paths = None  # settled on the first batch (`_settle_logit_paths`)
         self.add_callback(_LogStepSync(self))
@@ -167,10 +143,11 @@ class DistillationTrainer(SFTTrainer):
     # ---- Setup: two DeepSpeed plugins, teacher prepared once after the Trainer's `free_memory()` ----
 
     def _build_accelerator_args(self, **kwargs):
-        """Give the Accelerator two plugins, {"student": the Trainer's, "teacher": ZeRO-3 inference}."""
+        """Give the Accelerator two plugins, {"student": the Trainer's, "teacher": the teacher's own (ZeRO-3)}."""
         accelerator_args = super()._build_accelerator_args(**kwargs)
         student_plugin = accelerator_args.get("deepspeed_plugin")
-        if self._self_distillation or self.teacher is None:
+        refuse_zero3_student_sampling(self.args, student_plugin)
+        if not isinstance(self.teacher, Teacher):
             if self.args.teacher_deepspeed is not None:
                 logger.warning("Ignoring `teacher_deepspeed`: the teacher is 'self' or a cache; it has no engine.")
             return accelerator_args
@@ -181,21 +158,8 @@ class DistillationTrainer(SFTTrainer):
                     "ZeRO-2 config) or launch with `accelerate launch --use_deepspeed`."
                 )
             return accelerator_args
-        self._teacher_config_notes = []
-        config = build_teacher_config(self.args.teacher_deepspeed, student_plugin.deepspeed_config, self.args,
-                                      hidden_size(self.teacher.config), notes=self._teacher_config_notes)
-        stage = config["zero_optimization"].get("stage", 0)
-        if self.args.seq_kd and stage == 3:
-            # Sampling runs the teacher's own lm_head, which our loss gathers itself; DeepSpeed's prefetcher would
-            # then have it in flight when the loss gathers it (deepspeed 0.19.8). Fetch on demand instead.
-            config["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
-        if self.args.lmbda > 0 and student_plugin.zero_stage == 3:
-            raise ValueError(
-                "On-policy distillation (lmbda > 0) with a ZeRO-3 student is not supported yet: sample from a ZeRO-2 "
-                "(or ZeRO-0/1) student, or set lmbda=0."
-            )
-        teacher_plugin = DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=stage == 3)
-        accelerator_args["deepspeed_plugin"] = {STUDENT: student_plugin, TEACHER: teacher_plugin}
+        accelerator_args["deepspeed_plugin"] = {STUDENT: student_plugin, TEACHER: self.teacher.plugin(self.args,
+                                                                                                    student_plugin)}
         return accelerator_args
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
@@ -222,7 +186,7 @@ class DistillationTrainer(SFTTrainer):
         self._engine_configs_printed = True
         if self.accelerator.is_main_process:  # global rank 0 (accelerator.print prints once per node)
             for name, plugin in plugins.items():
-                notes = getattr(self, "_teacher_config_notes", []) if name == TEACHER else []
+                notes = getattr(self.teacher, "config_notes", []) if name == TEACHER else []
                 note = f" ({'; '.join(notes)})" if notes else ""
                 print(f"trl_distill: {name} DeepSpeed config{note}: {json.dumps(plugin.deepspeed_config)}", flush=True)
 
@@ -263,62 +227,13 @@ class DistillationTrainer(SFTTrainer):
         finally:
             self.is_deepspeed_enabled = True
 
-    @staticmethod
-    def _shared_vocab_size(student_config, teacher_config, tokenizer) -> int:
-        """Compare distributions on the tokenizer's length: padded embedding rows beyond it are ignored."""
-        student_vocab = student_config.get_text_config().vocab_size
-        teacher_vocab = teacher_config.get_text_config().vocab_size
-        shared = min(student_vocab, teacher_vocab)
-        tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's tokenizer
-        if tokenizer is not None and hasattr(tokenizer, "__len__"):
-            if len(tokenizer) > shared:
-                raise ValueError(
-                    f"Student and teacher vocabularies differ: the student's lm_head has {student_vocab} rows, the "
-                    f"teacher's {teacher_vocab}, and the tokenizer has {len(tokenizer)} tokens. Distillation needs "
-                    "one tokenizer shared by both models."
-                )
-            return len(tokenizer)
-        if student_vocab != teacher_vocab:
-            raise ValueError(
-                f"Student and teacher vocabularies differ ({student_vocab} vs {teacher_vocab}) and no tokenizer says "
-                "which rows they share. Pass `processing_class=` (the tokenizer both models use)."
-            )
-        return shared
-
     # ---- On-policy / sequence-level KD: completions sampled by the student or the teacher ----
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        args = self.args
-        source = completion_source(args.lmbda, args.seq_kd, args.seed, self.state.global_step)
-        self._generation_stats["micro_steps"] += 1
-        if source != DATASET:
-            inputs, completions = self._sample_completions(source, self._prepare_inputs(inputs))
-            self.last_completions = (source, completions)
-            self._generation_stats["on_policy"] += source == STUDENT_SOURCE
-            self._generation_stats["rows"] += len(completions)
-            self._generation_stats["tokens"] += sum(len(c) for c in completions)
-            num_items_in_batch = None  # generated lengths differ from the dataset's: a per-micro-batch token mean
+        inputs, sampled = self.sampler.maybe_resample(inputs)
+        if sampled:  # generated lengths differ from the dataset's: a per-micro-batch token mean
+            num_items_in_batch = None
         return super().training_step(model, inputs, num_items_in_batch)
-
-    def _sample_completions(self, source: str, batch: dict) -> tuple[dict, list[torch.Tensor]]:
-        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        eos_ids = {tokenizer.eos_token_id}
-        kwargs = dict(max_new_tokens=self.args.max_new_tokens, do_sample=True,
-                      temperature=self.args.generation_temperature, top_p=self.args.generation_top_p,
-                      top_k=self.args.generation_top_k, eos_token_id=sorted(eos_ids))
-        several = self.accelerator.num_processes > 1
-        if source == STUDENT_SOURCE:
-            model, context = self.accelerator.unwrap_model(self.model_wrapped), contextlib.nullcontext
-            student_plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
-            synced = several and student_plugin is not None and student_plugin.zero_stage == 3
-        elif isinstance(self.teacher, SelfTeacher):
-            model, context, synced = self.teacher.peft_model, self.teacher.peft_model.disable_adapter, False
-        else:  # a partitioned teacher: every rank steps until all ranks are done
-            model, context, synced = self.teacher.module, contextlib.nullcontext, several and self.teacher.engine \
-                is not self.teacher.module
-        new_batch, completions = sample_completions(model, batch, kwargs, tokenizer.pad_token_id, eos_ids,
-                                                    synced, context)
-        return {k: v.to(batch["input_ids"].device) for k, v in new_batch.items()}, completions
 
     # ---- Loss ----
 
@@ -375,23 +290,17 @@ class DistillationTrainer(SFTTrainer):
     def _fused_loss(self, student: LossFeatures, *, teacher, cached, target, mask, num_items_in_batch):
         """Runs inside the student's forward: both lm_heads (or the student's and the cached teacher signal), a
         chunk of completion rows at a time; a model on the exact path hands its own logits instead."""
-        args = self.args
-        s_head, t_head = student.head, None if teacher is None else teacher.head
-        settings = dict(labels=target.clamp(min=0), student_lm_head_bias=_part(s_head, "bias"), beta=args.beta,
-                        skew_alpha=args.skew_alpha, temperature=args.temperature,
-                        num_items_in_batch=num_items_in_batch, chunk_size=args.loss_chunk_size,
-                        vocab_size=self.vocab_size, student_logit_scale=_part(s_head, "logit_scale"),
-                        student_softcap=_part(s_head, "softcap"),
-                        kd_grad=args.alpha > 0, ce_grad=args.alpha < 1)  # a term weighted 0 is only logged
-        with gathered(*_params(s_head), *_params(t_head)):
+        s_flat, rows, labels = select_loss_rows(student.states, mask, target.clamp(min=0))
+        heads = [h for h in (student.head, None if teacher is None else teacher.head) if h is not None]
+        settings = self.loss_settings
+        with gathered(*(p for head in heads for p in head.params)):
             if cached is not None:
-                return sparse_distillation_loss(student.states, _part(s_head, "weight"), cached, mask,
-                                                args.divergence, **settings)
-            return chunked_distillation_loss(
-                student.states, _part(s_head, "weight"), teacher.states, _part(t_head, "weight"), mask,
-                args.divergence, teacher_lm_head_bias=_part(t_head, "bias"),
-                teacher_logit_scale=_part(t_head, "logit_scale"), teacher_softcap=_part(t_head, "softcap"), **settings,
-            )
+                signal = SparseSignalChunks(cached, len(labels), settings.vocab_size)
+            else:
+                t_flat = teacher.states.detach().reshape(-1, teacher.states.shape[-1])
+                signal = DenseTeacherSignal(t_flat.index_select(0, rows), teacher.head, settings.vocab_size,
+                                            settings.temperature)
+            return fused_loss(s_flat, student.head, signal, settings, rows, labels, num_items_in_batch)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
@@ -424,49 +333,8 @@ class DistillationTrainer(SFTTrainer):
                 logs[name] = self.accelerator.gather(total.reshape(1)).mean().item() / steps
                 self._distill_sums[name] = 0.0
             self._distill_last_logged_step = self.state.global_step
-            if self.args.lmbda > 0 or self.args.seq_kd:
-                stats = torch.tensor([float(v) for v in self._generation_stats.values()], device=self.args.device)
-                micro_steps, on_policy, rows, tokens = self.accelerator.reduce(stats, reduction="sum").tolist()
-                logs["on_policy_fraction"] = on_policy / max(micro_steps, 1)
-                logs["generated_length"] = tokens / max(rows, 1)
-                self._generation_stats = dict.fromkeys(self._generation_stats, 0)
+            self.sampler.log_into(logs, self.accelerator, self.args.device)
         super().log(logs, start_time)
-
-
-def _part(head, name: str):
-    """A field of an `LMHead`, or None for a model on the exact path (no head: its states are logits)."""
-    return None if head is None else getattr(head, name)
-
-
-def _params(head) -> tuple:
-    return () if head is None else head.params
-
-
-def _student_tokenizer(model, dataset):
-    """The student's tokenizer, loaded only when a conversational dataset needs its chat template early."""
-    if dataset is None or isinstance(dataset, dict) or "messages" not in (dataset.column_names or []):
-        return None
-    from transformers import AutoTokenizer
-
-    source = model if isinstance(model, str) else getattr(model.config, "_name_or_path", None)
-    return AutoTokenizer.from_pretrained(source) if source else None
-
-
-def _as_distillation_config(args) -> DistillationConfig:
-    """A `DistillationConfig` with every value of a stock `TrainingArguments` (or `SFTConfig`), the distillation
-    fields at their defaults: what makes the trainer a drop-in for `Trainer` and `SFTTrainer` scripts.
-
-    A `Trainer` script tokenizes its own data and brings its own collator, so SFT's dataset preparation is skipped
-    for plain `TrainingArguments` (as the stock `Trainer` would do)."""
-    if not isinstance(args, TrainingArguments):
-        raise TypeError(f"args must be a DistillationConfig or TrainingArguments, got {type(args).__name__}.")
-    values = args.to_dict()
-    for key in values:
-        if key.endswith("_token"):  # to_dict masks these (hub_token, and SFT's eos_token / pad_token)
-            values[key] = getattr(args, key)
-    if not isinstance(args, SFTConfig):
-        values["dataset_kwargs"] = {"skip_prepare_dataset": True}
-    return DistillationConfig(**values)
 
 
 class _LogStepSync(TrainerCallback):

@@ -82,3 +82,26 @@ def check_teacher_finite(teacher_hidden: torch.Tensor, accelerator, step: int) -
             f"The teacher produced NaN or inf at step {step} (on {int(bad.item())} rank(s)). Check its dtype (fp16 "
             "overflows: use bf16 or fp32 via `teacher_model_init_kwargs={'dtype': ...}`) and its weights."
         )
+
+
+def shared_vocab_size(student_config, teacher_config, tokenizer) -> int:
+    """The number of logits compared: the tokenizer's length (padded embedding rows beyond it are ignored); one
+    clear error when the two models cannot share a tokenizer."""
+    student_vocab = student_config.get_text_config().vocab_size
+    teacher_vocab = teacher_config.get_text_config().vocab_size
+    shared = min(student_vocab, teacher_vocab)
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's tokenizer
+    if tokenizer is not None and hasattr(tokenizer, "__len__"):
+        if len(tokenizer) > shared:
+            raise ValueError(
+                f"Student and teacher vocabularies differ: the student's lm_head has {student_vocab} rows, the "
+                f"teacher's {teacher_vocab}, and the tokenizer has {len(tokenizer)} tokens. Distillation needs "
+                "one tokenizer shared by both models."
+            )
+        return len(tokenizer)
+    if student_vocab != teacher_vocab:
+        raise ValueError(
+            f"Student and teacher vocabularies differ ({student_vocab} vs {teacher_vocab}) and no tokenizer says "
+            "which rows they share. Pass `processing_class=` (the tokenizer both models use)."
+        )
+    return shared

@@ -40,7 +40,7 @@ def main():
     trainer = DistillationTrainer(os.path.join(pair, "student"), os.path.join(pair, "teacher"), args=config,
                                   train_dataset=synthetic_prompt_completion(32), processing_class=tok)
     rec = {"sources": {}, "lengths": {}}
-    sample_step = trainer._sample_completions
+    sample_step = trainer.sampler.sample
 
     def recording(source, batch):
         new, completions = sample_step(source, batch)
@@ -48,7 +48,7 @@ def main():
         rec["sources"][step], rec["lengths"][step] = source, max(len(c) for c in completions)
         return new, completions
 
-    trainer._sample_completions = recording
+    trainer.sampler.sample = recording
     trainer.train(resume_from_checkpoint=sys.argv[4] if run == "resume" else None)
     rec.update(rank=rank, global_step=trainer.state.global_step, log_history=trainer.state.log_history)
     os.makedirs(os.path.join(out, run), exist_ok=True)
