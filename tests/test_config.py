@@ -49,3 +49,23 @@ def test_every_field_has_help():
     for f in fields(DistillationConfig):
         if f.name in ours:
             assert f.metadata.get("help"), f.name
+
+
+def test_building_a_config_leaves_the_callers_dicts_alone(tmp_path):
+    """DeepSpeed on CPU needs a configured gloo state; the config sets it up where transformers sets up devices,
+    on its own copy of `accelerator_config` (a fresh process: that state lives as long as the process)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from trl_distill import DistillationConfig\n"
+        "accel = {'split_batches': False}\n"
+        "ds = {'zero_optimization': {'stage': 2}}\n"
+        f"args = DistillationConfig(output_dir={str(tmp_path)!r}, deepspeed=ds, accelerator_config=accel, bf16=False)\n"
+        "assert accel == {'split_batches': False}, accel\n"
+        "assert ds == {'zero_optimization': {'stage': 2}}, ds\n"
+        "assert args.accelerator_config.split_batches is False and args.distributed_state.num_processes == 1\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().endswith("ok"), out.stderr[-2000:]

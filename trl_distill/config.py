@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from transformers import TrainingArguments
@@ -175,8 +176,15 @@ class DistillationConfig(SFTConfig):
         self.deepspeed = _lenient_deepspeed(self.deepspeed if self.deepspeed else _accelerate_deepspeed_file())
         _use_activation_checkpointing_names(self)
         settle_precision(self)
-        prepare_cpu_distributed_state(self)
         super().__post_init__()
+
+    @cached_property
+    def _setup_devices(self):
+        """Where transformers sets up the process (`TrainingArguments._setup_devices`, a private hook checked against
+        transformers 5.24): on a machine without GPU, DeepSpeed first gets the gloo state it needs there
+        (`distributed.prepare_cpu_distributed_state`). Building the config does nothing else to the process."""
+        prepare_cpu_distributed_state(self)
+        return super()._setup_devices
 
 
 def _use_activation_checkpointing_names(args) -> None:

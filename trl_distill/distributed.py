@@ -63,23 +63,15 @@ def _forget_single_process_state() -> None:
 
 
 def prepare_cpu_distributed_state(args) -> None:
-    """Make a machine without GPU train on every launched process, with or without DeepSpeed.
+    """Make DeepSpeed train on every launched process of a machine without GPU: set up a gloo `PartialState` and
+    point `args` at it (`use_configured_state`). Call as its devices are set up (`DistillationConfig._setup_devices`
+    does). A no-op with a GPU or without DeepSpeed: DDP on CPU is the Trainer's own `use_cpu=True` path, which
+    `precision.settle_precision` takes on such a machine.
 
-    With DeepSpeed: set up a gloo `PartialState` and point `args` at it. Without DeepSpeed but launched on
-    several processes: set `use_cpu=True`, the Trainer's own way to get a gloo DDP group. Call before
-    `TrainingArguments.__post_init__` (our `DistillationConfig` does). A no-op with a GPU.
-
-    `use_cpu=True` with DeepSpeed takes the DeepSpeed path too: the Trainer's own CPU branch would leave
-    DeepSpeed's process group uninitialised until the first engine, so a teacher loaded under `zero.Init`
-    would see a world size of 1.
+    DeepSpeed needs this even with `use_cpu=True`: the Trainer's CPU branch would leave DeepSpeed's process group
+    uninitialised until the first engine, so a teacher loaded under `zero.Init` would see a world size of 1.
     """
-    if has_accelerator():
-        return
-    if not _deepspeed_requested(args):
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            # DDP under torchrun/accelerate without GPU: the Trainer only sets up gloo with `use_cpu=True`;
-            # without it every rank would train alone, silently.
-            args.use_cpu = True
+    if has_accelerator() or not _deepspeed_requested(args):
         return
     _set_single_process_env()
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
@@ -91,8 +83,8 @@ def prepare_cpu_distributed_state(args) -> None:
     if accelerator_config is None:
         args.accelerator_config = {"use_configured_state": True}
     elif isinstance(accelerator_config, dict):
-        accelerator_config["use_configured_state"] = True
+        args.accelerator_config = {**accelerator_config, "use_configured_state": True}  # the caller's dict untouched
     elif isinstance(accelerator_config, str):
         return  # a JSON file: the user configures the state themselves
-    else:
+    else:  # the AcceleratorConfig that TrainingArguments built from the user's value
         accelerator_config.use_configured_state = True
