@@ -123,7 +123,7 @@ def run_ours(spec: dict, rec: dict, data, tokenizer) -> list[float]:
         spec["student"], spec["teacher"], args=args, train_dataset=data, processing_class=tokenizer,
         data_collator=collate,
     )
-    prepare = trainer._prepare_teacher
+    prepare = trainer.prepare_teacher
 
     def prepare_and_probe():  # the teacher is loaded and prepared inside train(), after the Trainer's free_memory()
         first = not trainer.teacher.prepared
@@ -131,7 +131,7 @@ def run_ours(spec: dict, rec: dict, data, tokenizer) -> list[float]:
         if first:
             probe(rec, "teacher_ready", reset=True)
 
-    trainer._prepare_teacher = prepare_and_probe
+    trainer.prepare_teacher = prepare_and_probe
     timer = step_timer()
     trainer.add_callback(timer)
     rec["train_loss"] = trainer.train().training_loss

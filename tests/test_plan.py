@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from trl_distill import plan
+from trl_distill.cli.plan import main as plan_main
 from trl_distill.testing import build_tiny_model, build_tokenizer, launch
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -30,7 +31,7 @@ def models(tmp_path_factory) -> Path:
 
 
 def run_plan(capsys, *argv) -> dict:
-    plan.main([*argv, "--json"])
+    plan_main([*argv, "--json"])
     return json.loads(capsys.readouterr().out)
 
 
@@ -76,7 +77,7 @@ def test_public_configs_count_exactly():
 
 def test_missing_model_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        plan.main(["--student", "/no/such/model", "--teacher", "8B"])
+        plan_main(["--student", "/no/such/model", "--teacher", "8B"])
     assert exit_info.value.code == 2 and "/no/such/model" in capsys.readouterr().err
 
 
@@ -136,14 +137,14 @@ def test_does_not_fit_flagged_and_recommendation_changes(capsys):
     tighter = run_plan(capsys, *args, "--gpu_memory_gb", "40")
     assert not any(c["fits"] for c in tighter["configs"].values())
     assert tighter["recommendation"]["settings"] == {"gradient_checkpointing": "on"}
-    plan.main([*args, "--gpu_memory_gb", "40"])
+    plan_main([*args, "--gpu_memory_gb", "40"])
     table = capsys.readouterr().out
     assert "NO" in table and "Nothing fits as given" in table and "--gradient_checkpointing on" in table
 
 
 def test_help_lists_every_input(capsys):
     with pytest.raises(SystemExit):
-        plan.main(["--help"])
+        plan_main(["--help"])
     text = capsys.readouterr().out
     assert text.startswith("usage: trl-distill plan")
     for flag in ("--student", "--teacher", "--nodes", "--gpus_per_node", "--gpu_memory_gb", "--dtype", "--micro_batch",

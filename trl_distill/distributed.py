@@ -17,6 +17,8 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import str_to_bool
 
+from .compat import partial_state_fields, reset_accelerate_state
+
 
 def free_port() -> int:
     """An unused TCP port on loopback, for a torch.distributed rendezvous."""
@@ -53,13 +55,11 @@ def _destroy_process_group() -> None:
 def _forget_single_process_state() -> None:
     """A stock `TrainingArguments` built before ours (a `Trainer` script handed to `DistillationTrainer`) left a
     backend-less one-process state on a multi-process launch; it holds no process group, so forget it and build
-    the gloo one. `_reset_state` is accelerate's private reset (checked against accelerate 1.15)."""
-    state = PartialState._shared_state
+    the gloo one."""
+    state = partial_state_fields()
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if state and state.get("backend") is None and state.get("num_processes", 1) != launched:
-        from accelerate.state import AcceleratorState
-
-        AcceleratorState._reset_state(reset_partial_state=True)
+        reset_accelerate_state()
 
 
 def prepare_cpu_distributed_state(args) -> None:
@@ -76,7 +76,7 @@ def prepare_cpu_distributed_state(args) -> None:
     _set_single_process_env()
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     _forget_single_process_state()
-    if PartialState._shared_state == {}:
+    if not partial_state_fields():
         PartialState(backend="gloo")
         atexit.register(_destroy_process_group)
     accelerator_config = args.accelerator_config

@@ -1,4 +1,4 @@
-"""`trl-distill merge`: fold a LoRA student's adapter into its base model, so it loads and serves without peft.
+"""Fold a LoRA student's adapter into its base model, so it loads and serves without peft.
 
     trl-distill merge --adapter OUT/checkpoint-500 --output merged/ [--base BASE_DIR_OR_ID] [--dtype bfloat16]
 
@@ -8,10 +8,8 @@ tokenizer is copied from the adapter directory (the trainer saves it there) or e
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 
 
 def merge_adapter(adapter: str, output: str, base: str | None = None, dtype: str = "auto") -> str:
@@ -36,19 +34,3 @@ def merge_adapter(adapter: str, output: str, base: str | None = None, dtype: str
     tokenizer_source = adapter if os.path.isfile(os.path.join(adapter, "tokenizer_config.json")) else base
     AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(output)
     return output
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="trl-distill merge", description=__doc__.splitlines()[0])
-    parser.add_argument("--adapter", required=True, help="Directory with adapter_config.json and the adapter weights.")
-    parser.add_argument("--output", required=True, help="New directory for the merged model and its tokenizer.")
-    parser.add_argument("--base", default=None, help="Base model path or hub id (default: the adapter's own).")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="dtype to load the base in before merging (default: as saved).")
-    args = parser.parse_args(argv)
-    try:
-        path = merge_adapter(args.adapter, args.output, args.base, args.dtype)
-    except (ValueError, OSError) as error:
-        print(f"trl-distill merge: error: {str(error).strip().splitlines()[0]}", file=sys.stderr)
-        sys.exit(2)
-    print(f"Merged model saved to {path}")

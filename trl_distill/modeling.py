@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .compat import is_zero3_partitioned
+
 _PATCHED = "_trl_distill_forward"
 _EXACT = "_trl_distill_exact_logits"  # set by `use_exact_logits`: the model's own forward makes the logits
 _BACKBONE_NAMES = ("model", "transformer", "language_model", "decoder", "gpt_neox")
@@ -147,20 +149,13 @@ def finalise_logits(logits: torch.Tensor, scale: float | None, softcap: float | 
     return logits
 
 
-def _is_partitioned(param: torch.Tensor | None) -> bool:
-    # DeepSpeed's per-parameter ZeRO-3 attributes (`ds_id`, `ds_status`); checked against deepspeed 0.19.8
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    return param is not None and hasattr(param, "ds_id") and param.ds_status != ZeroParamStatus.AVAILABLE
-
-
 def gathered(*params: torch.Tensor | None):
     """Gather the ZeRO-3 partitioned ones among `params` for the duration of the block (read-only).
 
     Decided per parameter (by its DeepSpeed attributes), not by the global ZeRO-3 flag: the teacher is ZeRO-3
     while the student, whose plugin is the selected one, may not be.
     """
-    unique = {id(p): p for p in params if _is_partitioned(p)}
+    unique = {id(p): p for p in params if is_zero3_partitioned(p)}
     if not unique:
         return contextlib.nullcontext()
     import deepspeed

@@ -13,6 +13,8 @@ import contextlib
 
 import torch
 
+from .compat import prepare_inputs
+
 # The three sources of a step's completions
 DATASET, STUDENT, TEACHER = "dataset", "student", "teacher"
 
@@ -121,7 +123,7 @@ class CompletionSampler:
         self.stats["micro_steps"] += 1
         if source == DATASET:
             return inputs, False
-        inputs, completions = self.sample(source, trainer._prepare_inputs(inputs))
+        inputs, completions = self.sample(source, prepare_inputs(trainer, inputs))
         self.last = (source, completions)
         self.stats["on_policy"] += source == STUDENT
         self.stats["rows"] += len(completions)

@@ -6,14 +6,12 @@ cheapest one that fits. S and T: a model directory, a config.json or a count (`8
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import math
 import os
 import re
 import sys
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 
 from .losses import default_chunk_size
 
@@ -329,94 +327,3 @@ def recommendation_text(result: dict) -> str:
         knobs = ", ".join(f"--{k} {v}" for k, v in rec["settings"].items())
         return f"Nothing fits as given. {text}, {total} with {knobs}."
     return f"{text}, {total}."
-
-
-# ---- CLI ----
-
-_DIMS = {"hidden_size": "hidden", "layers": "layers", "vocab": "vocab", "intermediate_size": "intermediate",
-         "heads": "heads", "kv_heads": "kv_heads"}
-_EPILOG = f"""\
-assumptions: GiB = 2^30 bytes; a setup fits when its total is <= {1 - HEADROOM:.0%} of --gpu_memory_gb (the rest is
-headroom for the CUDA context, NCCL/allocator buffers and fragmentation). Mixed precision (bf16/fp16) keeps
-16-bit weights and gradients plus ZeRO's fp32 gradient partition and the optimizer's fp32 master copy; adamw =
-12 bytes per trained parameter (fp32 master + 2 fp32 moments), sgd = 8 (master + momentum). Activations assume
-flash/SDPA attention (no [T, T] scores) and a Llama-style layer. ZeRO-3 buffers follow the "auto" values our
-configs get (prefetch bucket 0.9 h^2, persistence 10 h, reduce bucket h^2) and DeepSpeed's default
-stage3_max_live_parameters (1e9). Details: docs/planner.md."""
-
-
-def _positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its error messages
-    return parse
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="trl-distill plan", description="Estimate the per-GPU memory of a distillation run, five ways.",
-        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add, count, size = parser.add_argument, _positive(int), _positive(float)
-    for role in ("student", "teacher"):
-        add(f"--{role}", required=True, help=f"The {role}: a model directory, a config.json (parameters counted "
-            "exactly on the meta device), or a parameter count such as 8B, 600M or 8e9.")
-    shape = parser.add_argument_group(
-        "model shape", "Only with a parameter count (a config gives them): activations, logits and ZeRO-3 buffers "
-        "need them. Unset: guessed Llama-like from the count (hidden/layers ~ 128, SwiGLU 8h/3, 128-dim heads), "
-        "vocab from the other model, else 32000.")
-    for role in ("student", "teacher"):
-        for flag, name in _DIMS.items():
-            shape.add_argument(f"--{role}_{flag}", type=count, dest=f"{role}_{name}", metavar="N")
-    add("--nodes", type=count, default=1, help="Number of nodes (default: 1).")
-    add("--gpus_per_node", type=count, default=8, help="GPUs per node (default: 8).")
-    add("--gpu_memory_gb", type=size, default=80.0, help="Memory of one GPU, GiB (default: 80).")
-    add("--dtype", choices=sorted(DTYPE_BYTES), default="bf16",
-        help="Weights/activations dtype of both models (default: bf16; fp32 = no mixed precision).")
-    add("--micro_batch", type=count, default=1, help="Sequences per GPU per step (default: 1).")
-    add("--seq_len", type=count, default=4096, help="Tokens per sequence (default: 4096).")
-    add("--optimizer", choices=sorted(OPTIMIZER_BYTES), default="adamw",
-        help="The student's optimizer: adamw = 12 bytes/param (fp32 master + 2 moments), sgd = 8.")
-    add("--gradient_checkpointing", choices=("on", "off"), default="off",
-        help="Student activation checkpointing (default: off).")
-    add("--loss_chunk_size", type=count, default=None, metavar="N", help="Completion tokens per loss chunk "
-        "(default: as the trainer picks it, so one chunk of fp32 logits is ~128 MiB).")
-    add("--json", action="store_true", help="Print the plan as JSON (sizes in bytes) instead of a table.")
-    return parser
-
-
-def _specs(args) -> tuple[ModelSpec, ModelSpec]:
-    """Load both models; a count-only model without --*_vocab borrows the other model's vocabulary."""
-    dims = {role: {n: getattr(args, f"{role}_{n}") for n in _DIMS.values() if getattr(args, f"{role}_{n}")}
-            for role in ("student", "teacher")}
-    counted = {role: parse_count(getattr(args, role)) is not None for role in dims}
-    order = ("teacher", "student") if counted["student"] else ("student", "teacher")
-    specs = {}
-    for role in order:
-        other = specs.get("student" if role == "teacher" else "teacher")
-        if counted[role] and other is not None and "vocab" not in dims[role]:
-            dims[role]["vocab"] = other.vocab
-        specs[role] = load_spec(getattr(args, role), dims[role])
-    return specs["student"], specs["teacher"]
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`trl-distill plan ARGS...`."""
-    parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
-    try:
-        student, teacher = _specs(args)
-    except (ValueError, FileNotFoundError, OSError) as error:
-        parser.error(str(error))
-    values = {f.name: getattr(args, f.name) for f in fields(Settings)}
-    settings = Settings(**{**values, "gradient_checkpointing": args.gradient_checkpointing == "on"})
-    result = plan(student, teacher, settings)
-    print(json.dumps(result, indent=2) if args.json else format_plan(result))
-
-
-if __name__ == "__main__":
-    main()

@@ -12,8 +12,7 @@ from __future__ import annotations
 import logging
 import platform
 
-import torch
-
+from .compat import cpu_has_bf16_units
 from .distributed import has_accelerator
 
 logger = logging.getLogger(__name__)
@@ -22,9 +21,8 @@ logger = logging.getLogger(__name__)
 def cpu_supports_bf16() -> bool:
     """Whether this CPU computes bf16 natively (x86: AVX512-BF16 or AMX; Arm: the ``bf16`` feature).
 
-    Elsewhere torch emulates bf16 on the CPU, several times slower than fp32. The x86 probes are torch's private
-    `torch.cpu._is_avx512_bf16_supported` / `_is_amx_tile_supported` (checked against torch 2.13); when a torch
-    version lacks them the answer is False (fp32), never an error.
+    Elsewhere torch emulates bf16 on the CPU, several times slower than fp32. The x86 probe is
+    `compat.cpu_has_bf16_units` (torch's private CPU feature checks).
     """
     from transformers.utils import is_torch_bf16_available_on_device
 
@@ -32,8 +30,7 @@ def cpu_supports_bf16() -> bool:
         return False
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64", "i686"):
-        probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-        return any(probe() for probe in probes if callable(probe))
+        return cpu_has_bf16_units()
     if machine in ("aarch64", "arm64"):
         try:
             with open("/proc/cpuinfo", encoding="utf-8") as f:

@@ -21,6 +21,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.integrations import is_deepspeed_zero3_enabled
 
+from .compat import prepared_models
 from .deepspeed_config import build_teacher_config
 from .modeling import LossFeatures, add_fused_distillation_forward, hidden_size
 from .validation import check_model_path
@@ -57,7 +58,7 @@ def _accelerator_state_kept(accelerator):
     """
     wrapped = accelerator.deepspeed_engine_wrapped
     config = getattr(accelerator, "deepspeed_config", None)
-    models = list(accelerator._models)
+    models = list(prepared_models(accelerator))
     accelerator.deepspeed_engine_wrapped = None  # else accelerate warns that an engine is already tied
     try:
         yield
@@ -65,7 +66,7 @@ def _accelerator_state_kept(accelerator):
         accelerator.deepspeed_engine_wrapped = wrapped
         if config is not None:
             accelerator.deepspeed_config = config
-        accelerator._models[:] = models
+        prepared_models(accelerator)[:] = models
 
 
 class Teacher:

@@ -15,6 +15,13 @@ from trl import SFTTrainer
 
 from .cache.reader import ROW, pop_signal, train_from_cache
 from .checkpoints import mark_complete, resolve_resume
+from .compat import (
+    count_items_over_shifted_labels,
+    deepspeed_hidden_from,
+    eval_metric_values,
+    keep_dataset_column,
+    prepare_inputs,
+)
 from .config import DistillationConfig, as_distillation_config
 from .data import resolve_assistant_only_loss, student_tokenizer
 from .logit_check import probe_inputs, settle_logit_paths
@@ -130,10 +137,9 @@ class DistillationTrainer(SFTTrainer):
                 os.rmdir(args.output_dir)  # the Trainer created it empty; leave nothing behind
             raise
         # Our loss sums over completion tokens and divides by their count over the accumulated, all-rank batch:
-        # ask the Trainer for that count (`num_items_in_batch`), taken over the shifted labels. Both attributes
-        # are the Trainer's own (`_loss_shifts_labels` is private; checked against transformers 5.24).
+        # ask the Trainer for that count (`num_items_in_batch`), taken over the shifted labels.
         self.model_accepts_loss_kwargs = True
-        self._loss_shifts_labels = True
+        count_items_over_shifted_labels(self)
         self._distill_sums = {"kd_loss": 0.0, "ce_loss": 0.0}
         self.sampler = CompletionSampler(self)  # on-policy / sequence-level completions (lmbda, seq_kd)
         self._distill_last_logged_step = 0
@@ -190,28 +196,29 @@ class DistillationTrainer(SFTTrainer):
                 note = f" ({'; '.join(notes)})" if notes else ""
                 print(f"trl_distill: {name} DeepSpeed config{note}: {json.dumps(plugin.deepspeed_config)}", flush=True)
 
-    def _prepare_teacher(self) -> None:
+    def prepare_teacher(self) -> None:
+        """Load and prepare the teacher once (collective under DeepSpeed); the dataloader getters call it."""
         if self.teacher is not None:  # None: training from a teacher cache
             self.teacher.prepare(self.accelerator, self.args.device)
 
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
-        if self.teacher_cache is not None and ROW not in self._signature_columns:
-            self._signature_columns = [*self._signature_columns, ROW]  # keep each row's index into the cache
+        if self.teacher_cache is not None:
+            keep_dataset_column(self, ROW)  # each row's index into the cache
 
     def get_train_dataloader(self):
         dataloader = super().get_train_dataloader()
-        self._prepare_teacher()  # after `train()`'s free_memory(), on every rank
+        self.prepare_teacher()  # after `train()`'s free_memory(), on every rank
         return dataloader
 
     def get_eval_dataloader(self, eval_dataset=None):
         dataloader = super().get_eval_dataloader(eval_dataset)
-        self._prepare_teacher()
+        self.prepare_teacher()
         return dataloader
 
     def get_test_dataloader(self, test_dataset):
         dataloader = super().get_test_dataloader(test_dataset)
-        self._prepare_teacher()  # predict()
+        self.prepare_teacher()  # predict()
         return dataloader
 
     def evaluation_loop(self, *args, **kwargs):
@@ -220,12 +227,8 @@ class DistillationTrainer(SFTTrainer):
             return super().evaluation_loop(*args, **kwargs)
         # Before `train()` the stock loop would build a ZeRO-3 inference engine for the student, which refuses a
         # ZeRO-0/1/2 config. Such a student holds all its weights on every rank: evaluate the module as it is.
-        # (The loop reads `is_deepspeed_enabled` only to decide that; checked against transformers 5.24.)
-        self.is_deepspeed_enabled = False
-        try:
+        with deepspeed_hidden_from(self):
             return super().evaluation_loop(*args, **kwargs)
-        finally:
-            self.is_deepspeed_enabled = True
 
     # ---- On-policy / sequence-level KD: completions sampled by the student or the teacher ----
 
@@ -303,7 +306,7 @@ class DistillationTrainer(SFTTrainer):
             return fused_loss(s_flat, student.head, signal, settings, rows, labels, num_items_in_batch)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        inputs = self._prepare_inputs(inputs)
+        inputs = prepare_inputs(self, inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs).detach()
             if prediction_loss_only:
@@ -319,11 +322,10 @@ class DistillationTrainer(SFTTrainer):
             self._distill_sums["kd_loss"] += kd.detach()
             self._distill_sums["ce_loss"] += ce.detach()
             return
-        # Like `eval_loss`: one value per sample, duplicates of an uneven last batch dropped. `_metrics` is
-        # SFTTrainer's (trl 1.16), averaged and cleared by its `log()`.
+        # Like `eval_loss`: one value per sample, duplicates of an uneven last batch dropped.
         for name, value in (("kd_loss", kd), ("ce_loss", ce)):
             values = self.accelerator.gather_for_metrics(value.detach().reshape(1).repeat(batch_size))
-            self._metrics["eval"][name].extend(values.tolist())
+            eval_metric_values(self, name).extend(values.tolist())
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.model.training and "loss" in logs:

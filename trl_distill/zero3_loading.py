@@ -20,6 +20,8 @@ import struct
 
 import torch
 
+from .compat import partitioned_construction, zero3_partition
+
 logger = logging.getLogger(__name__)
 
 # safetensors dtype names -> torch dtypes
@@ -71,43 +73,10 @@ def _read_flat(path: str, entry: dict, data_start: int, first: int, count: int) 
     return torch.frombuffer(buffer, dtype=dtype) if count else torch.empty(0, dtype=dtype)
 
 
-def _partition(param) -> tuple[torch.Tensor, int, int] | None:
-    """This rank's partition of a ZeRO-3 parameter and the flat range it holds, from DeepSpeed's per-parameter
-    attributes (`ds_tensor`, `ds_numel`, `ds_process_group`; checked against deepspeed 0.19.8: rank r holds flat
-    elements ``[r·p, (r+1)·p)`` of the parameter, zero-padded past its end). None if not partitioned here."""
-    from deepspeed import comm as dist
-
-    part = getattr(param, "ds_tensor", None)
-    if part is None or part.numel() == 0:
-        return None
-    size = part.numel()
-    first = dist.get_rank(group=param.ds_process_group) * size
-    return part, first, max(0, min(size, param.ds_numel - first))
-
-
 def loadable(directory: str, init_kwargs: dict) -> bool:
     """Whether `load_partitioned` applies: a local safetensors checkpoint and no quantization."""
     quantized = any(k in init_kwargs for k in ("quantization_config", "load_in_4bit", "load_in_8bit"))
     return not quantized and isinstance(directory, str) and safetensors_index(directory) is not None
-
-
-def _partitioned_construction():
-    """What transformers' ZeRO-3 `from_config` enters, without the random initialisation it runs afterwards
-    (`initialize_weights_zero3` gathers every module whole to initialise it; the checkpoint overwrites it anyway).
-    Private transformers helpers, checked against transformers 5.24 (`modeling_utils.PreTrainedModel._from_config`):
-    inside `set_zero3_state()`, `from_config` enters no `zero.Init` of its own and initialises nothing."""
-    import contextlib
-
-    import deepspeed
-    from transformers.initialization import no_init_weights
-    from transformers.integrations.deepspeed import deepspeed_config, prevent_arange_dtype_change
-    from transformers.modeling_utils import set_zero3_state
-
-    stack = contextlib.ExitStack()
-    for context in (no_init_weights(), prevent_arange_dtype_change(),
-                    deepspeed.zero.Init(config_dict_or_path=deepspeed_config()), set_zero3_state()):
-        stack.enter_context(context)
-    return stack
 
 
 def load_partitioned(directory: str, init_kwargs: dict):
@@ -125,18 +94,18 @@ def load_partitioned(directory: str, init_kwargs: dict):
     if dtype is None or dtype == "auto":
         dtype = config.dtype if dtype == "auto" and config.dtype is not None else torch.float32
     model_kwargs = {k: v for k, v in init_kwargs.items() if k in ("attn_implementation", "trust_remote_code")}
-    with _partitioned_construction():
+    with partitioned_construction():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **model_kwargs)
     params = dict(model.named_parameters())  # tied weights appear once
     shapes = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in params.items()}
     if any(name not in entries or tuple(entries[name][1]["shape"]) != shape for name, shape in shapes.items()):
         logger.info("Teacher checkpoint names/shapes differ from the model's parameters: loading with from_pretrained.")
         return None
-    if any(_partition(p) is None for p in params.values()):
+    if any(zero3_partition(p) is None for p in params.values()):
         return None  # not partitioned (or swapped to NVMe): nothing for a slice to go into
     with torch.no_grad():
         for name, param in params.items():
-            part, first, count = _partition(param)
+            part, first, count = zero3_partition(param)
             path, entry, start = entries[name]
             values = _read_flat(path, entry, start, first, count)
             part[:count].copy_(values.to(part.dtype))

@@ -9,7 +9,7 @@ import signal
 import sys
 
 import trl_distill.cache.writer as writer
-from trl_distill.cache.cli import main
+from trl_distill.cli.cache_teacher import main
 
 kill_after = int(sys.argv[1])
 write = writer.write_teacher_cache

@@ -3,6 +3,7 @@ students from the cache (`--teacher_cache DIR`) without loading the teacher. See
 
 from .manifest import Manifest
 from .reader import CachedTeacherCollator, TeacherCache
-from .writer import write_teacher_cache
+from .writer import fill_teacher_cache, open_teacher_cache, write_teacher_cache
 
-__all__ = ["CachedTeacherCollator", "Manifest", "TeacherCache", "write_teacher_cache"]
+__all__ = ["CachedTeacherCollator", "Manifest", "TeacherCache", "fill_teacher_cache", "open_teacher_cache",
+           "write_teacher_cache"]

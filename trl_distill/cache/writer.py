@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 from accelerate.utils import broadcast_object_list, gather_object
 
+from ..compat import prepare_inputs
 from ..logit_check import probe_inputs, settle_logit_paths
 from ..modeling import gathered
 from ..sparse_losses import top_k_teacher_signal
@@ -36,11 +37,17 @@ def write_teacher_cache(
     log_prob_dtype: str = "float32",
     on_shard: Callable[[int], None] | None = None,
 ) -> Manifest:
-    """Cache the teacher of `trainer` (a `DistillationTrainer` with a teacher) over its prepared train dataset.
+    """Cache the teacher of `trainer` (a `DistillationTrainer` with a teacher) over its prepared train dataset:
+    `open_teacher_cache` then `fill_teacher_cache`. Collective: call on every rank. Returns the complete manifest."""
+    manifest = open_teacher_cache(trainer, directory, top_k=top_k, shard_rows=shard_rows, log_prob_dtype=log_prob_dtype)
+    return fill_teacher_cache(trainer, directory, manifest, batch_size=batch_size, on_shard=on_shard)
 
-    Collective: call on every rank. ``on_shard(index)`` runs on every rank after each shard is on disk.
-    Returns the complete manifest.
-    """
+
+def open_teacher_cache(trainer, directory: str, *, top_k: int = 64, shard_rows: int = 1024,
+                       log_prob_dtype: str = "float32") -> Manifest:
+    """Check the settings and decide what a (re-)run still has to write: the manifest, its ``shards`` the complete
+    ones to keep. Bad settings, or a directory holding another cache, raise `ValueError` on every rank before the
+    teacher runs. Collective."""
     if log_prob_dtype not in ARROW_TYPES:
         raise ValueError(f"log_prob_dtype must be one of {sorted(ARROW_TYPES)}, got {log_prob_dtype!r}.")
     if top_k < 1 or top_k > trainer.vocab_size:
@@ -66,12 +73,21 @@ def write_teacher_cache(
     if isinstance(decision, str):
         raise ValueError(decision)
     manifest.shards = decision
+    return manifest
+
+
+def fill_teacher_cache(trainer, directory: str, manifest: Manifest, *, batch_size: int | None = None,
+                       on_shard: Callable[[int], None] | None = None) -> Manifest:
+    """Run the teacher over the rows of every shard `manifest` does not hold yet and write them. Each shard's
+    batches are dealt to the ranks; ``on_shard(index)`` runs on every rank after each shard is on disk."""
+    args, accelerator = trainer.args, trainer.accelerator
+    top_k, log_prob_dtype = manifest.top_k, manifest.log_prob_dtype
     done = {shard["index"] for shard in manifest.shards}
-    batch_size = batch_size or args.per_device_eval_batch_size
-    columns = dataset.select_columns(["input_ids", "labels"])
+    columns = trainer.train_dataset.select_columns(["input_ids", "labels"])
     if len(done) < manifest.num_shards:
-        trainer._prepare_teacher()  # collective
+        trainer.prepare_teacher()  # collective
         _settle_teacher_path(trainer, columns)
+    batch_size = batch_size or args.per_device_eval_batch_size
     for index in range(manifest.num_shards):
         if index in done:
             continue
@@ -137,7 +153,7 @@ def _whole(directory: str, shard: dict) -> bool:
 
 def _settle_teacher_path(trainer, columns) -> None:
     """Check the teacher's fused logits against its own on the first row (see `trl_distill.logit_check`)."""
-    batch = trainer._prepare_inputs(trainer.data_collator([columns[0]]))
+    batch = prepare_inputs(trainer, trainer.data_collator([columns[0]]))
     batch.pop("labels")
     batch.pop("shift_labels", None)
     teacher = trainer.teacher
@@ -151,7 +167,7 @@ def _settle_teacher_path(trainer, columns) -> None:
 def _teacher_rows(trainer, columns, rows: range, top_k: int, temperature: float) -> list[dict]:
     """The sparse teacher signal of the prepared rows `rows`, one record per row."""
     examples = [columns[i] for i in rows]
-    batch = trainer._prepare_inputs(trainer.data_collator(examples))
+    batch = prepare_inputs(trainer, trainer.data_collator(examples))
     labels = batch.pop("labels")
     batch.pop("shift_labels", None)
     mask = labels[:, 1:] != -100  # position t predicts labels[t + 1]

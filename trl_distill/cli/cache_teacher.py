@@ -33,13 +33,14 @@ class CacheArguments:
 def main(argv: list[str]) -> None:
     from trl import ModelConfig, ScriptArguments, TrlParser
 
-    from ..cli import build_trainer, errors_as_messages
+    from ..cache.writer import fill_teacher_cache, open_teacher_cache
     from ..config import DistillationConfig
-    from .writer import write_teacher_cache
+    from .errors import errors_as_messages
+    from .train import build_trainer
 
     parser = TrlParser((ScriptArguments, DistillationConfig, ModelConfig, CacheArguments),
                        prog="trl-distill cache-teacher")
-    with errors_as_messages():
+    with errors_as_messages("trl-distill cache-teacher"):
         script_args, training_args, model_args, cache_args = parser.parse_args_and_config(args=argv)
         directory = training_args.teacher_cache
         if not directory:
@@ -50,12 +51,12 @@ def main(argv: list[str]) -> None:
         training_args.eval_strategy = IntervalStrategy.NO  # only the train split is cached
         training_args.output_dir = directory
         trainer = build_trainer(script_args, training_args, model_args)
-        manifest = write_teacher_cache(
-            trainer, directory, top_k=cache_args.cache_top_k, shard_rows=cache_args.cache_shard_rows,
-            batch_size=cache_args.cache_batch_size, log_prob_dtype=cache_args.cache_log_prob_dtype,
-        )  # fmt: skip
-        if trainer.accelerator.is_main_process:
-            tokens = sum(s["tokens"] for s in manifest.shards)
-            size = sum(s["bytes"] for s in manifest.shards)
-            print(f"Teacher cache written to {directory}: {manifest.num_rows} rows, {tokens} loss tokens, top-"
-                  f"{manifest.top_k}, {size} bytes ({size / max(tokens, 1):.1f} per token)")
+        manifest = open_teacher_cache(trainer, directory, top_k=cache_args.cache_top_k,
+                                      shard_rows=cache_args.cache_shard_rows,
+                                      log_prob_dtype=cache_args.cache_log_prob_dtype)
+    manifest = fill_teacher_cache(trainer, directory, manifest, batch_size=cache_args.cache_batch_size)
+    if trainer.accelerator.is_main_process:
+        tokens = sum(s["tokens"] for s in manifest.shards)
+        size = sum(s["bytes"] for s in manifest.shards)
+        print(f"Teacher cache written to {directory}: {manifest.num_rows} rows, {tokens} loss tokens, top-"
+              f"{manifest.top_k}, {size} bytes ({size / max(tokens, 1):.1f} per token)")

@@ -1,0 +1,125 @@
+"""Every private API of torch, transformers, TRL, accelerate and DeepSpeed that trl_distill relies on, in one place.
+
+Each is checked against the versions pinned in pyproject.toml (`CHECKED_AGAINST`); `tests/test_compat.py` runs
+each function and checks each hook we override still exists, so an upgrade that moves one fails there, not as a
+silently wrong run. Modules call these functions instead of reaching into the libraries themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+CHECKED_AGAINST = {"torch": "2.13", "transformers": "5.24", "trl": "1.16", "accelerate": "1.15", "deepspeed": "0.19.8"}
+
+# Private methods we override (a rename upstream would leave our override unused, silently)
+OVERRIDDEN_HOOKS = {
+    "transformers.Trainer": ("_build_accelerator_args", "_save_checkpoint", "_set_signature_columns_if_needed"),
+    "transformers.TrainingArguments": ("_setup_devices",),
+}
+
+
+# ---- accelerate 1.15 ----
+
+def prepared_models(accelerator) -> list:
+    """The models `accelerator.prepare` registered (what `save_state` saves): `Accelerator._models`."""
+    return accelerator._models
+
+
+def partial_state_fields() -> dict:
+    """accelerate's shared process state (empty before any `PartialState`): `PartialState._shared_state`."""
+    from accelerate import PartialState
+
+    return PartialState._shared_state
+
+
+def reset_accelerate_state() -> None:
+    """Forget accelerate's process and accelerator state: `AcceleratorState._reset_state(reset_partial_state=True)`."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+# ---- transformers 5.24 / TRL 1.16 ----
+
+def prepare_inputs(trainer, batch: dict) -> dict:
+    """A collated batch moved to the trainer's device as its training step would: `Trainer._prepare_inputs`."""
+    return trainer._prepare_inputs(batch)
+
+
+def count_items_over_shifted_labels(trainer) -> None:
+    """Make the Trainer's `num_items_in_batch` count the shifted labels' loss tokens: `Trainer._loss_shifts_labels`."""
+    trainer._loss_shifts_labels = True
+
+
+def keep_dataset_column(trainer, column: str) -> None:
+    """Keep `column` when the Trainer drops the columns the model's forward does not take
+    (`Trainer._signature_columns`; call after `_set_signature_columns_if_needed`)."""
+    if column not in trainer._signature_columns:
+        trainer._signature_columns = [*trainer._signature_columns, column]
+
+
+def eval_metric_values(trainer, name: str) -> list:
+    """SFTTrainer's per-sample eval metric list, averaged and cleared by its `log()`: `SFTTrainer._metrics`."""
+    return trainer._metrics["eval"][name]
+
+
+@contextlib.contextmanager
+def deepspeed_hidden_from(trainer):
+    """Let the Trainer's evaluation loop treat a DeepSpeed student as a plain module (it reads
+    `Trainer.is_deepspeed_enabled` only to decide whether to build a ZeRO-3 inference engine)."""
+    trainer.is_deepspeed_enabled = False
+    try:
+        yield
+    finally:
+        trainer.is_deepspeed_enabled = True
+
+
+def partitioned_construction():
+    """What transformers' ZeRO-3 `from_config` enters, without the random initialisation it runs afterwards
+    (`initialize_weights_zero3` gathers every module whole to initialise it; the checkpoint overwrites it anyway):
+    `no_init_weights`, `prevent_arange_dtype_change`, `zero.Init` with the selected plugin's config, and
+    `set_zero3_state` (inside which `from_config` enters no `zero.Init` of its own and initialises nothing)."""
+    import deepspeed
+    from transformers.initialization import no_init_weights
+    from transformers.integrations.deepspeed import deepspeed_config, prevent_arange_dtype_change
+    from transformers.modeling_utils import set_zero3_state
+
+    stack = contextlib.ExitStack()
+    for context in (no_init_weights(), prevent_arange_dtype_change(),
+                    deepspeed.zero.Init(config_dict_or_path=deepspeed_config()), set_zero3_state()):
+        stack.enter_context(context)
+    return stack
+
+
+# ---- DeepSpeed 0.19.8: the ZeRO-3 attributes of a parameter ----
+
+def is_zero3_partitioned(param: torch.Tensor | None) -> bool:
+    """A ZeRO-3 parameter not gathered right now (`ds_id`, `ds_status`)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return param is not None and hasattr(param, "ds_id") and param.ds_status != ZeroParamStatus.AVAILABLE
+
+
+def zero3_partition(param) -> tuple[torch.Tensor, int, int] | None:
+    """``(flat partition tensor, first element it holds, element count)`` of this rank's share of a ZeRO-3
+    parameter (`ds_tensor`, `ds_numel`, `ds_process_group`: rank r holds flat elements ``[r·p, (r+1)·p)``,
+    zero-padded past the end); None when it is not partitioned here."""
+    from deepspeed import comm as dist
+
+    part = getattr(param, "ds_tensor", None)
+    if part is None or part.numel() == 0:
+        return None
+    size = part.numel()
+    first = dist.get_rank(group=param.ds_process_group) * size
+    return part, first, max(0, min(size, param.ds_numel - first))
+
+
+# ---- torch 2.13 ----
+
+def cpu_has_bf16_units() -> bool:
+    """An x86 CPU with AVX512-BF16 or AMX tiles (`torch.cpu._is_avx512_bf16_supported`, `_is_amx_tile_supported`);
+    False when this torch lacks the probes."""
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(probe() for probe in probes if callable(probe))
