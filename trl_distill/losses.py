@@ -350,18 +350,12 @@ def chunked_distillation_loss(
     labels: Tensor | None = None,
     student_lm_head_bias: Tensor | None = None,
     teacher_lm_head_bias: Tensor | None = None,
-    beta: float = 0.5,
-    skew_alpha: float = 0.1,
-    temperature: float = 1.0,
     num_items_in_batch: int | Tensor | None = None,
-    chunk_size: int | None = None,
-    vocab_size: int | None = None,
     student_logit_scale: float | None = None,
     teacher_logit_scale: float | None = None,
     student_softcap: float | None = None,
     teacher_softcap: float | None = None,
-    kd_grad: bool = True,
-    ce_grad: bool = True,
+    **settings,
 ) -> DistillationLossOutput:
     """Distillation loss straight from hidden states, never materialising full ``[N, V]`` logits (functional form
     of `fused_loss`).
@@ -377,7 +371,8 @@ def chunked_distillation_loss(
     ``ce_grad=False``: that term is returned for logging but gets no gradient (and no gradient buffers), for a
     loss that weights it 0 (``alpha`` = 0 or 1). A weight of None means that side's "hidden" states are already its
     logits ``[..., V]`` (a model's own, see `trl_distill.logit_check`): they are used as they are (no bias, scale or
-    softcap is applied), chunk by chunk all the same.
+    softcap is applied), chunk by chunk all the same. ``settings``: the `LossSettings` fields (``beta``,
+    ``skew_alpha``, ``temperature``, ``chunk_size``, ``vocab_size``, ``kd_grad``, ``ce_grad``).
     """
     student_head = _head("student", student_lm_head_weight, student_lm_head_bias, student_logit_scale, student_softcap)
     teacher_head = _head("teacher", teacher_lm_head_weight, teacher_lm_head_bias, teacher_logit_scale, teacher_softcap)
@@ -390,13 +385,13 @@ def chunked_distillation_loss(
     if teacher_hidden.shape[:-1] != student_hidden.shape[:-1]:
         raise ValueError(f"student/teacher hidden leading shapes differ: {tuple(student_hidden.shape[:-1])} vs "
                          f"{tuple(teacher_hidden.shape[:-1])}.")
+    vocab_size = settings.pop("vocab_size", None)
     if vocab_size is not None and not 1 <= vocab_size <= min(v_s, v_t):
         raise ValueError(f"vocab_size={vocab_size} must be in [1, min(student vocab {v_s}, teacher vocab {v_t})].")
-    settings = LossSettings(loss_type, beta, skew_alpha, temperature, chunk_size, vocab_size or min(v_s, v_t),
-                            kd_grad, ce_grad)
+    loss = LossSettings(divergence=loss_type, vocab_size=vocab_size or min(v_s, v_t), **settings)
     s_flat, rows, labels = select_loss_rows(student_hidden, mask, labels)
-    teacher = DenseTeacherSignal(_rows(teacher_hidden.detach(), rows), teacher_head, settings.vocab_size, temperature)
-    return fused_loss(s_flat, student_head, teacher, settings, rows, labels, num_items_in_batch)
+    teacher = DenseTeacherSignal(_rows(teacher_hidden.detach(), rows), teacher_head, loss.vocab_size, loss.temperature)
+    return fused_loss(s_flat, student_head, teacher, loss, rows, labels, num_items_in_batch)
 
 
 def chunked_divergence(*args, **kwargs) -> Tensor:

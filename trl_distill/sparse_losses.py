@@ -100,29 +100,23 @@ def sparse_distillation_loss(
     *,
     labels: Tensor | None = None,
     student_lm_head_bias: Tensor | None = None,
-    beta: float = 0.5,
-    skew_alpha: float = 0.1,
-    temperature: float = 1.0,
     num_items_in_batch: int | Tensor | None = None,
-    chunk_size: int | None = None,
-    vocab_size: int | None = None,
     student_logit_scale: float | None = None,
     student_softcap: float | None = None,
-    kd_grad: bool = True,
-    ce_grad: bool = True,
+    **settings,
 ) -> DistillationLossOutput:
     """`losses.chunked_distillation_loss` with the teacher given as a sparse signal (see the module docstring).
 
     ``teacher`` holds one row per selected token (``mask`` True, row-major), in order; its ids index the student's
     first ``vocab_size`` logits (default: all). Everything else is as in `chunked_distillation_loss` (a None
-    weight: ``student_hidden`` are the student's own logits).
+    weight: ``student_hidden`` are the student's own logits; ``settings``: the `LossSettings` fields).
     """
     head = None if student_lm_head_weight is None else LMHead(
         student_lm_head_weight, student_lm_head_bias, student_logit_scale, student_softcap)
-    v_s = head_shape(student_hidden, head)[0]
-    settings = LossSettings(loss_type, beta, skew_alpha, temperature, chunk_size, vocab_size or v_s, kd_grad,
-                            ce_grad)
+    vocab_size = settings.pop("vocab_size", None)
+    loss = LossSettings(divergence=loss_type, vocab_size=head_shape(student_hidden, head)[0] if vocab_size is None
+                        else vocab_size, **settings)
     s_flat, rows, labels = select_loss_rows(student_hidden, mask, labels)
     n = s_flat.shape[0] if rows is None else rows.numel()
-    return fused_loss(s_flat, head, SparseSignalChunks(teacher, n, settings.vocab_size), settings, rows, labels,
+    return fused_loss(s_flat, head, SparseSignalChunks(teacher, n, loss.vocab_size), loss, rows, labels,
                       num_items_in_batch)

@@ -89,19 +89,11 @@ class DistillationTrainer(SFTTrainer):
             processing_class = processing_class or student_tokenizer(model, train_dataset)
             args.assistant_only_loss = resolve_assistant_only_loss(None, train_dataset, processing_class)
         output_dir_existed = os.path.exists(args.output_dir)
-        super().__init__(
-            model,
-            args=args,
-            data_collator=data_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            compute_metrics=compute_metrics,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
-            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-            peft_config=peft_config,
+        super().__init__(  # SFTTrainer's own arguments, as given
+            model, args=args, data_collator=data_collator, train_dataset=train_dataset, eval_dataset=eval_dataset,
+            processing_class=processing_class, compute_metrics=compute_metrics, callbacks=callbacks,
+            optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics, peft_config=peft_config,
             formatting_func=formatting_func,
         )
         if self.aux_loss_enabled:
