@@ -11,23 +11,15 @@ import os
 import sys
 import time
 
-from transformers import TrainerCallback
+from _common import step_timer  # benchmarks/_common.py (the script's folder)
 
 from trl_distill.cli import build_trainer, make_parser
-
-
-class StepTimer(TrainerCallback):
-    def __init__(self):
-        self.ends: list[float] = []
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.ends.append(time.perf_counter())
 
 
 def main() -> None:
     script_args, training_args, model_args = make_parser().parse_args_and_config(args=sys.argv[1:])
     trainer = build_trainer(script_args, training_args, model_args)
-    timer = StepTimer()
+    timer = step_timer()
     trainer.add_callback(timer)
     start = time.perf_counter()
     trainer.train()

@@ -25,11 +25,9 @@ and marked as extrapolated everywhere. Each subprocess also caps its own address
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -37,7 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-from memory_probe import reset_peak_rss  # benchmarks/memory_probe.py (the script's folder)
+from _common import machine  # benchmarks/_common.py and memory_probe.py (the script's folder)
+from memory_probe import reset_peak_rss
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -240,7 +239,6 @@ def main() -> None:
         results.append(row)
         print(_fmt_row(row), flush=True)
 
-    import torch
 
     report = {
         "benchmark": "loss_memory",
@@ -250,11 +248,7 @@ def main() -> None:
         "memory_metric": "ru_maxrss after fwd+bwd minus ru_maxrss after building inputs, fresh process per sample",
         "time_metric": "wall time of one fwd+bwd per fresh process, naive/chunked processes interleaved",
         "quick": args.quick, "plan": cfg,
-        "machine": {
-            "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
-            "cpu_count": os.cpu_count(), "threads": THREADS, "processor": _cpu_name(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        },
+        "machine": machine(threads=THREADS),
         "results": results,
         "total_runtime_s": time.perf_counter() - t_start,
     }  # fmt: skip
@@ -286,14 +280,6 @@ def _ratios(row: dict) -> None:
     if pairs:
         row["time_ratio"] = statistics.median(pairs)
         row["time_ratio_min"], row["time_ratio_max"] = min(pairs), max(pairs)
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 def _k(x: int) -> str:
@@ -328,7 +314,7 @@ def markdown(rep: dict) -> str:
         "median of fresh-process runs; time = median wall time; time ratio = median of per-round chunked/naive "
         "ratios (min-max). `*` = naive extrapolated linearly in N from smaller measured N (not measured).",
         "",
-        f"Machine: {m['processor']}, {m['cpu_count']} CPUs, {m['threads']} torch threads, torch {m['torch']}, "
+        f"Machine: {m['cpu']}, {m['cpus']} CPUs, {m['threads']} torch threads, torch {m['torch']}, "
         f"{m['date']}. Total runtime {rep['total_runtime_s']:.0f} s{' (--quick)' if rep['quick'] else ''}.",
         "",
     ]

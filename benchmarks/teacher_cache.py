@@ -19,7 +19,6 @@ Writes `teacher_cache.json` and `teacher_cache.md` to --output_dir, and the tabl
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -33,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "examples"))
 
+from _common import machine, replace_readme_block  # noqa: E402
 from quickstart import CORPUS, compare, teach_teacher  # noqa: E402
 
 from trl_distill.testing import launch  # noqa: E402
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     table = markdown(report)
     (out / "teacher_cache.md").write_text("# Teacher cache vs the online ZeRO-3 teacher\n\n" + table)
     if not args.smoke:
-        write_readme(table)
+        replace_readme_block(README_MARKERS, table)
     print(table)
 
 
@@ -138,20 +138,6 @@ def markdown(report: dict) -> str:
               f"the two online runs (run first and last). {m['cpus']} CPUs, torch {m['torch']}, {m['date']}, load "
               f"average {m['load_average'][0]:.1f} at the end; whole benchmark {report['seconds']:.0f} s."]
     return "\n".join(lines) + "\n"
-
-
-def write_readme(table: str) -> None:
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    start, end = README_MARKERS
-    if start in text and end in text:
-        head, rest = text.split(start, 1)
-        readme.write_text(head + start + "\n" + table + end + rest.split(end, 1)[1])
-
-
-def machine() -> dict:
-    return {"cpus": os.cpu_count(), "torch": torch.__version__, "load_average": os.getloadavg(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 if __name__ == "__main__":

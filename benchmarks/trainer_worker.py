@@ -27,7 +27,10 @@ import sys
 import time
 
 import torch
-from memory_probe import reset_peak_rss  # benchmarks/memory_probe.py (the script's folder)
+from _common import step_timer  # benchmarks/_common.py and memory_probe.py (the script's folder)
+from memory_probe import reset_peak_rss
+
+from trl_distill.testing import write_rank_record
 
 KIB = 1024
 
@@ -97,19 +100,6 @@ def common_args(spec: dict) -> dict:
         logging_steps=10**6, remove_unused_columns=False, dataset_kwargs={"skip_prepare_dataset": True},
         deepspeed=spec["deepspeed"], dataloader_num_workers=0,
     )  # fmt: skip
-
-
-def step_timer():
-    from transformers import TrainerCallback
-
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.ends: list[float] = []
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.ends.append(time.perf_counter())
-
-    return StepTimer()
 
 
 def run_ours(spec: dict, rec: dict, data, tokenizer) -> list[float]:
@@ -222,10 +212,7 @@ def main() -> None:
     rec["timed_seconds"] = ends[-1] - ends[warm - 1]
     rec["torch_threads"] = torch.get_num_threads()
     rec["loss_token_fraction"] = spec["loss_token_fraction"]
-    path = os.path.join(spec["out"], f"rank{rank}.json")
-    os.makedirs(spec["out"], exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(rec, f)
+    write_rank_record(spec["out"], rank, rec)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

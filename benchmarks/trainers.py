@@ -18,10 +18,8 @@ prompts), so it cannot run this off-policy workload.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -31,6 +29,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "trainer_worker.py"
+sys.path.insert(0, str(WORKER.parent))  # benchmarks/, also when a test loads this file by path
+from _common import machine, replace_readme_block  # noqa: E402
+
 Z2, Z3 = str(ROOT / "configs/deepspeed/zero2_student.json"), str(ROOT / "configs/deepspeed/zero3_student.json")
 MIB = 1 << 20
 
@@ -226,7 +227,7 @@ def markdown(rep: dict) -> str:
         f"timed), {c['repeats']} repeat(s). Forward KL at T=1: ours `alpha=1`; GKD `lmbda=0, beta=0, seq_kd=False`. "
         "DeepSpeed on CPU (gloo), one torch thread per rank. Each cell: median [min, max] over repeats.",
         "",
-        f"Machine: {mach['processor']}, {mach['cpu_count']} CPUs, torch {mach['torch']}, transformers "
+        f"Machine: {mach['cpu']}, {mach['cpus']} CPUs, torch {mach['torch']}, transformers "
         f"{mach['transformers']}, trl {mach['trl']}, deepspeed {mach['deepspeed']}, {mach['date']}. "
         f"Total runtime {rep['total_runtime_s']:.0f} s{' (--smoke)' if rep['smoke'] else ''}" + _load(rep) + ".",
         "",
@@ -313,19 +314,6 @@ def plot(rep: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def machine() -> dict:
-    from importlib.metadata import version
-
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor()
-    return {**{pkg: version(pkg) for pkg in ("torch", "transformers", "accelerate", "deepspeed", "trl")},
-            "python": platform.python_version(), "cpu_count": os.cpu_count(), "processor": cpu,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}  # fmt: skip
-
-
 README_START, README_END = "<!-- bench:trainers:start -->", "<!-- bench:trainers:end -->"
 
 
@@ -333,7 +321,7 @@ def readme_block(rep: dict) -> str:
     """The README's headline table (between its markers), generated from the JSON like trainers.md."""
     mach, load = rep["machine"], rep.get("load_average_1min", {})
     lines = [
-        f"Run of {mach['date'][:10]}: {rep['total_runtime_s']:.0f} s on {mach['cpu_count']} CPUs, 1-minute load "
+        f"Run of {mach['date'][:10]}: {rep['total_runtime_s']:.0f} s on {mach['cpus']} CPUs, 1-minute load "
         f"average {load.get('start', float('nan')):.1f} at the start and {load.get('end', float('nan')):.1f} at the "
         "end (2 = both cores busy). Median [min, max] over repeats, ratios repeat by repeat:",
         "",
@@ -349,13 +337,7 @@ def readme_block(rep: dict) -> str:
 
 def update_readme(rep: dict, readme: Path = ROOT / "README.md") -> bool:
     """Replace the block between the README's markers; False when the README has no markers."""
-    text = readme.read_text()
-    if README_START not in text or README_END not in text:
-        return False
-    head, rest = text.split(README_START, 1)
-    _, tail = rest.split(README_END, 1)
-    readme.write_text(f"{head}{README_START}\n{readme_block(rep)}\n{README_END}{tail}")
-    return True
+    return replace_readme_block((README_START, README_END), readme_block(rep), readme)
 
 
 def write_outputs(report: dict, out: Path) -> None:

@@ -6,6 +6,7 @@ with the same arguments get byte-identical models, tokenizers and datasets.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -175,6 +176,19 @@ def launch(
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed with exit code {proc.returncode}:\n{out[-8000:]}")
     return result
+
+
+def write_rank_record(directory: str | os.PathLike, rank: int, record: dict) -> Path:
+    """``<directory>/rank<rank>.json``: what one rank of a multi-process worker recorded."""
+    path = Path(directory) / f"rank{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record))
+    return path
+
+
+def read_rank_records(directory: str | os.PathLike, ranks: int = 2) -> list[dict]:
+    """The records `write_rank_record` left in `directory`, rank 0 first."""
+    return [json.loads((Path(directory) / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
 def logged(log_history: list[dict], key: str = "loss") -> dict[int, float]:

@@ -27,10 +27,8 @@ Writes `kd_vs_sft.json`, `kd_vs_sft.md` (the table for the README) and `kd_vs_sf
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import re
 import resource
 import shutil
@@ -48,7 +46,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # benchmarks/
 
+from _common import machine as common_machine  # noqa: E402
 from kd_vs_sft_report import markdown, plot, summarize, update_readme  # noqa: E402
 from quickstart import MAX_LENGTH, compare  # noqa: E402
 from stdlib_corpus import build as build_corpus  # noqa: E402
@@ -297,13 +297,9 @@ def settings(plan: dict, paths: dict, corpus: dict) -> dict:
 
 
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
     usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-    return {"cpu": cpu, "cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            # CPU seconds of this process and every CLI run; the load average shows whether others shared the CPUs
-            "cpu_seconds": sum(u.ru_utime + u.ru_stime for u in usage), "load_average_1_5_15": os.getloadavg()}
+    # CPU seconds of this process and every CLI run; the load average shows whether others shared the CPUs
+    return common_machine(cpu_seconds=sum(u.ru_utime + u.ru_stime for u in usage))
 
 
 if __name__ == "__main__":

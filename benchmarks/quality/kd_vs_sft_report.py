@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/
+from _common import replace_readme_block  # noqa: E402
 
 METRICS = ("ce", "ppl", "kl_to_teacher", "top1_agreement")
 COLORS = {"sft": "black", "forward_kl": "tab:blue", "reverse_kl": "tab:red", "jsd": "tab:green"}
@@ -124,7 +128,7 @@ def markdown(report: dict) -> str:
     tail = ["", *findings(report), "",
             f"Whole experiment: {report['wall_seconds'] / 60:.1f} min wall, {machine['cpu_seconds'] / 60:.1f} CPU-min, "
             f"on {machine['cpus']} × {machine['cpu']} (torch {machine['torch']}, {machine['date']}; load average "
-            f"{machine['load_average_1_5_15'][2]:.1f} over the last 15 min). Curves: `kd_vs_sft.png`; every run: "
+            f"{machine['load_average'][2]:.1f} over the last 15 min). Curves: `kd_vs_sft.png`; every run: "
             "`kd_vs_sft.json`.",
             ""]
     return "\n".join(head + table(report["summary"]) + middle + tail)
@@ -185,7 +189,7 @@ def readme_block(report: dict) -> str:
     return "\n".join([
         f"Run of {machine['date'][:10]} (Python {s['corpus']['python']}): {report['wall_seconds'] / 60:.1f} min wall, "
         f"{machine['cpu_seconds'] / 60:.1f} CPU-min on {machine['cpus']} cores (load average "
-        f"{machine['load_average_1_5_15'][2]:.1f} over the last 15 min). Teacher held-out CE {teacher['ce']:.3f}; the "
+        f"{machine['load_average'][2]:.1f} over the last 15 min). Teacher held-out CE {teacher['ce']:.3f}; the "
         f"student size trained alone with the teacher's budget {ref['ce']:.3f}. Students after {s['steps']} steps, "
         f"mean ± sd over seeds {s['seeds']}:",
         "",
@@ -195,9 +199,4 @@ def readme_block(report: dict) -> str:
 
 def update_readme(report: dict, readme: Path) -> bool:
     """Replace the block between the README's markers with `readme_block`; False when there are no markers."""
-    text = readme.read_text()
-    if README_START not in text or README_END not in text:
-        return False
-    head, rest = text.split(README_START, 1)
-    readme.write_text(f"{head}{README_START}\n{readme_block(report)}\n{README_END}{rest.split(README_END, 1)[1]}")
-    return True
+    return replace_readme_block((README_START, README_END), readme_block(report), readme)

@@ -1,14 +1,13 @@
 """Launched with `accelerate launch --use_deepspeed` and no DeepSpeed argument in the script: records the world
 size, the student's ZeRO stage and the teacher's share per rank into ``<out>/rank<k>.json``."""
 
-import json
 import os
 import sys
 
 from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
-from trl_distill.testing import logged, synthetic_prompt_completion
+from trl_distill.testing import logged, synthetic_prompt_completion, write_rank_record
 
 pair, out = sys.argv[1], sys.argv[2]
 tok = AutoTokenizer.from_pretrained(os.path.join(pair, "tokenizer"))
@@ -29,5 +28,4 @@ record = {
     "teacher_total": sum(p.ds_numel for p in params),
     "losses": logged(trainer.state.log_history),
 }
-with open(os.path.join(out, f"rank{trainer.args.process_index}.json"), "w") as f:
-    json.dump(record, f)
+write_rank_record(out, trainer.args.process_index, record)

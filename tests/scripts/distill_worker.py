@@ -6,7 +6,6 @@ checkpoint given as the fourth argument); ``divergences`` (one optimizer step wi
 ``zero3_student`` (ZeRO-3 for the student too); ``ddp`` (no DeepSpeed at all).
 """
 
-import json
 import os
 import sys
 
@@ -18,7 +17,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from trl_distill import LOSS_TYPES, DistillationConfig, DistillationTrainer
 from trl_distill.modeling import gathered
 from trl_distill.teacher import Teacher
-from trl_distill.testing import synthetic_prompt_completion, tiny_run_settings
+from trl_distill.testing import synthetic_prompt_completion, tiny_run_settings, write_rank_record
 
 STUDENT_ZERO2 = {
     "zero_optimization": {"stage": 2, "overlap_comm": False},
@@ -279,10 +278,7 @@ def main():
 
 
 def write(out, mode, rank, rec):
-    path = os.path.join(out, mode, f"rank{rank}.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(rec, f)
+    write_rank_record(os.path.join(out, mode), rank, rec)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ checkpoints every 4); ``resume`` (``base_teacher`` resumed from CHECKPOINT); ``s
 student's base with its adapters disabled).
 """
 
-import json
 import os
 import resource
 import sys
@@ -17,7 +16,7 @@ from peft import LoraConfig
 from transformers import AutoTokenizer, TrainerCallback
 
 from trl_distill import DistillationConfig, DistillationTrainer
-from trl_distill.testing import synthetic_prompt_completion, tiny_run_settings
+from trl_distill.testing import synthetic_prompt_completion, tiny_run_settings, write_rank_record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -74,9 +73,7 @@ def main():
         max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     )
     trainer.accelerator.wait_for_everyone()
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"rank{rec['rank']}.json"), "w") as f:
-        json.dump(rec, f)
+    write_rank_record(out, rec["rank"], rec)
     torch.distributed.barrier()
 
 

@@ -5,7 +5,6 @@ longer rank. Records per rank, for each step, the completions' source and length
     on_policy_worker.py PAIR_DIR OUT full|resume [CHECKPOINT]
 """
 
-import json
 import os
 import sys
 
@@ -14,7 +13,7 @@ from transformers import AutoTokenizer
 
 import trl_distill.trainer as trainer_module
 from trl_distill import DistillationConfig, DistillationTrainer
-from trl_distill.testing import synthetic_prompt_completion, tiny_run_settings
+from trl_distill.testing import synthetic_prompt_completion, tiny_run_settings, write_rank_record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -51,9 +50,7 @@ def main():
     trainer.sampler.sample = recording
     trainer.train(resume_from_checkpoint=sys.argv[4] if run == "resume" else None)
     rec.update(rank=rank, global_step=trainer.state.global_step, log_history=trainer.state.log_history)
-    os.makedirs(os.path.join(out, run), exist_ok=True)
-    with open(os.path.join(out, run, f"rank{rank}.json"), "w") as f:
-        json.dump(rec, f)
+    write_rank_record(os.path.join(out, run), rank, rec)
     torch.distributed.barrier()
 
 

@@ -4,7 +4,6 @@ rank really holds, for the memory planner's check (tests/test_plan.py). Writes `
 Usage: ``plan_worker.py MODELS_DIR OUT_DIR`` where MODELS_DIR holds ``tokenizer/``, ``teacher/``, ``student/``.
 """
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
-from trl_distill.testing import synthetic_prompt_completion, tiny_run_settings
+from trl_distill.testing import synthetic_prompt_completion, tiny_run_settings, write_rank_record
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "deepspeed"
 
@@ -58,9 +57,7 @@ def main():
     trainer.train()
     rank = trainer.args.process_index
     rec = {"rank": rank, "world_size": trainer.args.world_size, **held(trainer)}
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(rec, f)
+    write_rank_record(out, rank, rec)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ logits multiplier (HyperCLOVAX's `logits_scaling`) is one the fused lm_head rebu
     python -m torch.distributed.run --nproc_per_node 2 precision_worker.py STUDENT_DIR TEACHER_DIR OUT fp32|bf16
 """
 
-import json
 import os
 import sys
 
@@ -15,7 +14,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer, divergence
-from trl_distill.testing import synthetic_prompt_completion, tiny_run_settings
+from trl_distill.testing import synthetic_prompt_completion, tiny_run_settings, write_rank_record
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "deepspeed")
 ROWS, TEMPERATURE = 8, 2.0
@@ -56,8 +55,7 @@ def main():
     rec["teacher_share"] = sum(p.ds_tensor.numel() for p in trainer.teacher.module.parameters()) / sum(
         p.ds_numel for p in trainer.teacher.module.parameters())
     rank = trainer.accelerator.process_index
-    with open(os.path.join(out, mode, f"rank{rank}.json"), "w") as f:
-        json.dump(rec, f)
+    write_rank_record(os.path.join(out, mode), rank, rec)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ examples, 2 per rank, one epoch, then evaluate 5); ``empty_batch`` (rank 1's sec
 ``nan_teacher`` (the teacher's hidden states turn NaN on rank 1 at step 3).
 """
 
-import json
 import math
 import os
 import signal
@@ -19,7 +18,7 @@ import torch
 from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
-from trl_distill.testing import logged, synthetic_prompt_completion, tiny_run_settings
+from trl_distill.testing import logged, synthetic_prompt_completion, tiny_run_settings, write_rank_record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEEPSPEED = os.path.join(ROOT, "configs", "deepspeed")
@@ -102,10 +101,7 @@ def main():
         rec["eval"] = trainer.evaluate(data.select(range(5)))
     losses = logged(trainer.state.log_history)
     rec["all_finite"] = all(math.isfinite(v) for v in losses.values())
-    directory = os.path.join(out, mode)
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, f"rank{rec['rank']}.json"), "w") as f:
-        json.dump(rec, f)
+    write_rank_record(os.path.join(out, mode), rec["rank"], rec)
     torch.distributed.barrier()
 
 

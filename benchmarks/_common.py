@@ -1,0 +1,56 @@
+"""What every benchmark shares: one description of the machine, the README block a benchmark rewrites and a step
+timer. Workers write their per-rank records with `trl_distill.testing.write_rank_record`."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "trl")
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def machine(**extra) -> dict:
+    """The machine and software a result was measured on (one schema for every benchmark), plus `extra`."""
+    from importlib.metadata import version
+
+    return {"cpu": cpu_name(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            **{package: version(package) for package in PACKAGES},
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "load_average": list(os.getloadavg()), **extra}
+
+
+def replace_readme_block(markers: tuple[str, str], block: str, readme: Path = ROOT / "README.md") -> bool:
+    """Replace what stands between the README's two markers by `block`; False when the README lacks them."""
+    start, end = markers
+    text = readme.read_text()
+    if start not in text or end not in text:
+        return False
+    head, rest = text.split(start, 1)
+    readme.write_text(f"{head}{start}\n{block.rstrip()}\n{end}{rest.split(end, 1)[1]}")
+    return True
+
+
+def step_timer():
+    """A Trainer callback recording the `time.perf_counter()` at the end of every optimizer step (`.ends`)."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.ends: list[float] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ends.append(time.perf_counter())
+
+    return StepTimer()
