@@ -110,7 +110,7 @@ def build_models(cfg: dict, directory: Path) -> dict:
 # ---- runs ---------------------------------------------------------------------------------------------------
 def run_contender(name: str, cfg: dict, models: dict, out: Path) -> dict:
     """Launch one run of `name`; return its per-rank records (or the error) and its wall time."""
-    from trl_distill.testing import launch
+    from trl_distill.testing import launch, read_rank_records
 
     trainer, deepspeed, nproc, _ = CONTENDERS[name]
     spec = {
@@ -131,7 +131,7 @@ def run_contender(name: str, cfg: dict, models: dict, out: Path) -> dict:
         else:
             launch(WORKER, json.dumps(spec), nproc=nproc, timeout=cfg["timeout_s"], cwd=ROOT,
                    env={"PYTHONPATH": str(ROOT), "TRL_EXPERIMENTAL_SILENCE": "1"})  # fmt: skip
-        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+        ranks = read_rank_records(out, nproc)
     except (RuntimeError, subprocess.TimeoutExpired, OSError) as err:
         return {"error": str(err)[-4000:], "wall_s": time.perf_counter() - t0}
     return {"metrics": metrics(ranks, cfg), "ranks": [_slim(r) for r in ranks], "wall_s": time.perf_counter() - t0}

@@ -1,10 +1,9 @@
-import json
 import os
 from pathlib import Path
 
 import pytest
 
-from trl_distill.testing import launch, save_tiny_pair
+from trl_distill.testing import launch, read_rank_records, save_tiny_pair
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -15,10 +14,6 @@ SCRIPTS = Path(__file__).parent / "scripts"
 def tiny_pair(tmp_path_factory) -> dict[str, str]:
     """A tokenizer, a teacher and a student saved with `save_pretrained` (loaded by path, as from the hub)."""
     return save_tiny_pair(tmp_path_factory.mktemp("tiny_pair"))
-
-
-def _read_ranks(directory: Path) -> list[dict]:
-    return [json.loads((directory / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +31,7 @@ def zero2_zero3_runs(tiny_pair, tmp_path_factory) -> dict:
     launch(worker, pair, str(out), "divergences", timeout=300)
     launch(worker, pair, str(out), "zero3_student", timeout=300)
     launch(worker, pair, str(out), "ddp", timeout=300)
-    runs = {mode: _read_ranks(out / mode) for mode in ("main", "resume", "divergences", "zero3_student", "ddp")}
+    runs = {mode: read_rank_records(out / mode) for mode in ("main", "resume", "divergences", "zero3_student", "ddp")}
     runs["dir"] = out
     return runs
 
