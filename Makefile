@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup quickstart test lint bench-loss bench bench-cache clean
+.PHONY: setup quickstart test test-fast lint bench-loss bench bench-cache clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ quickstart: setup
 
 test: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
+
+# The edit loop: everything but the multi-process tests (under a minute on 2 cores). `make test` is what CI runs.
+test-fast: setup
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not distributed"
 
 # Peak memory and time of the chunked loss vs naive full logits (about 13 minutes on 2 cores)
 bench-loss: setup

@@ -35,3 +35,13 @@ def zero2_zero3_runs(tiny_pair, tmp_path_factory) -> dict:
     runs["dir"] = out
     return runs
 
+
+# Fixtures that launch several processes: a test using one is a multi-process test, marked or not
+MULTI_PROCESS_FIXTURES = {"zero2_zero3_runs", "lora_runs", "bf16_and_fp32_runs", "runs", "smoke"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """`make test-fast` runs ``-m "not distributed"``: keep every multi-process test out of it."""
+    for item in items:
+        if MULTI_PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.distributed)

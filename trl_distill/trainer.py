@@ -112,10 +112,7 @@ class DistillationTrainer(SFTTrainer):
         teacher_config = student.config if self.teacher is None else self.teacher.config
         try:
             self.vocab_size = shared_vocab_size(student.config, teacher_config, self.processing_class)
-            self.loss_settings = LossSettings(
-                args.divergence, args.beta, args.skew_alpha, args.temperature, args.loss_chunk_size, self.vocab_size,
-                kd_grad=args.alpha > 0, ce_grad=args.alpha < 1,  # a term weighted 0 is only logged
-            )
+            self.loss_settings  # noqa: B018 -- validated now, with the other checks
             if self.teacher_cache is not None:
                 train_from_cache(self, self.teacher_cache)
             elif isinstance(self.teacher, Teacher):
@@ -187,6 +184,13 @@ class DistillationTrainer(SFTTrainer):
                 notes = getattr(self.teacher, "config_notes", []) if name == TEACHER else []
                 note = f" ({'; '.join(notes)})" if notes else ""
                 print(f"trl_distill: {name} DeepSpeed config{note}: {json.dumps(plugin.deepspeed_config)}", flush=True)
+
+    @property
+    def loss_settings(self) -> LossSettings:
+        """The loss's settings, from the arguments as they are now (a callback may change them between steps)."""
+        args = self.args
+        return LossSettings(args.divergence, args.beta, args.skew_alpha, args.temperature, args.loss_chunk_size,
+                            self.vocab_size, kd_grad=args.alpha > 0, ce_grad=args.alpha < 1)  # weight 0: logged only
 
     def prepare_teacher(self) -> None:
         """Load and prepare the teacher once (collective under DeepSpeed); the dataloader getters call it."""

@@ -81,13 +81,13 @@ class CycleDivergence(TrainerCallback):
 def count_lm_head_gathers(rec):
     """Record, per call of the trainer's lm_head gather, how many of the given parameters are ZeRO-3 partitioned."""
     import trl_distill.trainer as trainer_module
-    from trl_distill.modeling import _is_partitioned
+    from trl_distill.compat import is_zero3_partitioned
 
     original = trainer_module.gathered
     rec["lm_head_gathers"] = []
 
     def counting(*params):
-        rec["lm_head_gathers"].append(sum(_is_partitioned(p) for p in params))
+        rec["lm_head_gathers"].append(sum(is_zero3_partitioned(p) for p in params))
         return original(*params)
 
     trainer_module.gathered = counting
