@@ -1,4 +1,4 @@
-"""`trl-distill plan --student S --teacher T --nodes 2 --gpus_per_node 8 --gpu_memory_gb 80 ...`: per-GPU memory
+"""The memory planner behind `trl-distill plan` (its command line: `cli/plan.py`): per-GPU memory
 of a distillation run, estimated for five setups (ours: ZeRO-2 student + ZeRO-3 teacher; TRL's replicated teacher
 with full logits; ZeRO-3 for both; ours with the teacher's parameters or the student's optimizer on CPU), and the
 cheapest one that fits. S and T: a model directory, a config.json or a count (`8B`). See docs/planner.md.

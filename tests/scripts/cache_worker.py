@@ -12,16 +12,16 @@ import trl_distill.cache.writer as writer
 from trl_distill.cli.cache_teacher import main
 
 kill_after = int(sys.argv[1])
-write = writer.write_teacher_cache
+fill = writer.fill_teacher_cache
 
 
-def write_then_die(*args, **kwargs):
+def fill_then_die(*args, **kwargs):
     def on_shard(index: int) -> None:
         if index == kill_after and int(os.environ.get("RANK", "0")) == 0:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    return write(*args, on_shard=on_shard, **kwargs)
+    return fill(*args, on_shard=on_shard, **kwargs)
 
 
-writer.write_teacher_cache = write_then_die
+writer.fill_teacher_cache = fill_then_die
 main(sys.argv[2:])

@@ -11,7 +11,7 @@ import sys
 import torch
 from transformers import AutoTokenizer
 
-import trl_distill.trainer as trainer_module
+import trl_distill.on_policy as on_policy_module
 from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.testing import synthetic_prompt_completion, tiny_run_settings, write_rank_record
 
@@ -22,12 +22,12 @@ def main():
     pair, out, run = sys.argv[1:4]
     rank = int(os.environ["RANK"])
     length = 3 if rank == 0 else 7
-    sample = trainer_module.sample_completions
+    sample = on_policy_module.sample_completions
 
     def exact_length(model, batch, kwargs, *args, **more):  # no early end of sequence: lengths differ by rank
         return sample(model, batch, {**kwargs, "min_new_tokens": length}, *args, **more)
 
-    trainer_module.sample_completions = exact_length
+    on_policy_module.sample_completions = exact_length
     config = DistillationConfig(
         output_dir=os.path.join(out, "full"),
         deepspeed=os.path.join(ROOT, "configs", "deepspeed", "zero2_student.json"),
