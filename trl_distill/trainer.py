@@ -112,7 +112,6 @@ class DistillationTrainer(SFTTrainer):
         teacher_config = student.config if self.teacher is None else self.teacher.config
         try:
             self.vocab_size = shared_vocab_size(student.config, teacher_config, self.processing_class)
-            self.loss_settings  # noqa: B018 -- validated now, with the other checks
             if self.teacher_cache is not None:
                 train_from_cache(self, self.teacher_cache)
             elif isinstance(self.teacher, Teacher):
