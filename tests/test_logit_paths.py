@@ -16,6 +16,7 @@ from transformers import (
 )
 
 from trl_distill import DistillationConfig, DistillationTrainer, divergence
+from trl_distill.precision import cpu_supports_bf16
 from trl_distill.testing import build_tokenizer, synthetic_prompt_completion, tiny_run_settings
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -112,3 +113,29 @@ def test_a_fused_teacher_beside_an_exact_student(tokenizer, tmp_path):
     assert trainer.state.log_history[0]["kd_loss"] == pytest.approx(kd, rel=1e-4)
     assert trainer.state.log_history[0]["ce_loss"] == pytest.approx(ce, rel=1e-4)
     assert not torch.equal(student.lm_head.logit_scale, before)  # the exact path trains the head's own scale
+
+
+@pytest.mark.skipif(not cpu_supports_bf16(), reason="this CPU has no native bf16")
+def test_bf16_autocast_keeps_a_softcapped_model_on_the_fused_path(tokenizer, tmp_path):
+    """Under mixed precision the model's own softcap runs on bf16 logits: the check allows bf16 rounding, so a model
+    the fused path rebuilds (Gemma-2: final_logit_softcapping) keeps it."""
+    from transformers import Gemma2Config
+
+    ids = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+               eos_token_id=tokenizer.eos_token_id)
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        config = Gemma2Config(vocab_size=len(tokenizer), head_dim=8, final_logit_softcapping=2.0,
+                              attention_dropout=0.0, **ids, **SMALL)
+        models.append(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+    data = synthetic_prompt_completion(4, seed=6)
+    args = DistillationConfig(output_dir=str(tmp_path), **tiny_run_settings(
+        max_steps=1, per_device_train_batch_size=len(data), bf16=True))
+    trainer = DistillationTrainer(models[1], models[0], args=args, train_dataset=data, processing_class=tokenizer)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(data))])
+    kd, ce = reference(models[1], models[0], batch, "forward_kl", args.temperature)
+    trainer.train()
+    assert [p.exact for p in trainer._logit_paths] == [False, False]
+    assert trainer.state.log_history[0]["ce_loss"] == pytest.approx(ce, rel=2e-2)
+    assert trainer.state.log_history[0]["kd_loss"] == pytest.approx(kd, rel=5e-2, abs=1e-3)

@@ -280,7 +280,8 @@ class DistillationTrainer(SFTTrainer):
         candidates = [("student", model, student)]
         if self.teacher is not None and not isinstance(self.teacher, SelfTeacher):  # self: the student's own base
             candidates.append(("teacher", self.teacher.engine, self.teacher.module))
-        self._logit_paths = settle_logit_paths(candidates, probe_inputs(model_inputs), self.accelerator)
+        self._logit_paths = settle_logit_paths(candidates, probe_inputs(model_inputs), self.accelerator,
+                                               mixed_precision=self.args.bf16 or self.args.fp16)
         if self.accelerator.is_main_process:
             for path in self._logit_paths:
                 print(path.describe(self.vocab_size, int(mask.shape[0] * mask.shape[1])), flush=True)
