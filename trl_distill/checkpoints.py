@@ -30,11 +30,12 @@ def _files(directory: str) -> dict[str, int]:
     return sizes
 
 
-def mark_complete(checkpoint: str) -> None:
-    """Record that `checkpoint` is whole (call on one rank, after every rank has finished writing it)."""
+def mark_complete(checkpoint: str, run: dict | None = None) -> None:
+    """Record that `checkpoint` is whole (call on one rank, after every rank has finished writing it), with the
+    `run` that wrote it (its distillation settings and process count, for `check_resume`)."""
     tmp = os.path.join(checkpoint, MARKER + ".tmp")
     with open(tmp, "w") as f:
-        json.dump({"files": _files(checkpoint)}, f)
+        json.dump({"files": _files(checkpoint), "run": run}, f)
     os.replace(tmp, os.path.join(checkpoint, MARKER))  # atomic: the marker is there whole or not at all
 
 
@@ -83,3 +84,52 @@ def resolve_resume(resume_from_checkpoint: str | bool | None, output_dir: str) -
             raise ValueError(f"Checkpoint {path!r} is incomplete (a run stopped while writing it).{instead}")
         logger.warning(f"Checkpoint {path!r} has no completeness marker (not written by trl_distill); using it.")
     return path
+
+
+RECORDED_SETTINGS = ("divergence", "temperature", "alpha", "beta", "skew_alpha", "kd_temperature_scaling", "lmbda",
+                     "seq_kd", "teacher_cache")
+
+
+def run_record(args, teacher: str | None, world_size: int, deepspeed: bool) -> dict:
+    """What a checkpoint records of the run that wrote it: the teacher, the distillation settings, the process
+    count and whether DeepSpeed holds per-rank optimizer states (see `check_resume`)."""
+    return {"world_size": world_size, "deepspeed": bool(deepspeed),
+            "settings": {"teacher": teacher, **{name: getattr(args, name) for name in RECORDED_SETTINGS}}}
+
+
+def check_resume(checkpoint: str, run: dict, allow_changes: bool = False) -> None:
+    """Refuse to resume `checkpoint` with another distillation set-up than the one that wrote it (unless
+    `allow_changes`), or on another number of processes when its optimizer states are DeepSpeed's per-rank
+    partitions; one line naming what differs and the way out. A checkpoint without a record is not checked."""
+    try:
+        with open(os.path.join(checkpoint, MARKER)) as f:
+            recorded = json.load(f).get("run")
+    except (OSError, ValueError):
+        return
+    if not recorded:
+        return
+    if recorded.get("deepspeed") and recorded.get("world_size") != run.get("world_size"):
+        raise ValueError(
+            f"Checkpoint {checkpoint!r} was written by {recorded.get('world_size')} processes and this run has "
+            f"{run.get('world_size')}: its DeepSpeed optimizer states are partitioned per process. Resume on "
+            f"{recorded.get('world_size')} processes, or start a new run from its weights (--model_name_or_path "
+            f"{checkpoint})."
+        )
+    settings = recorded.get("settings", {})
+    differing = [f"{key}: {settings[key]!r} there, {value!r} now" for key, value in run.get("settings", {}).items()
+                 if key in settings and settings[key] != value]
+    if differing and not allow_changes:
+        raise ValueError(f"Checkpoint {checkpoint!r} was trained with other distillation settings ("
+                         f"{'; '.join(differing)}). Resume with the same settings, or pass --resume_allow_changes "
+                         "true to change them on purpose.")
+    if differing:
+        logger.warning(f"Resuming {checkpoint} with changed settings: {'; '.join(differing)}.")
+
+
+def resume_point(resume_from_checkpoint: str | bool | None, output_dir: str, run: dict,
+                 allow_changes: bool = False) -> str | bool | None:
+    """`resolve_resume`, then `check_resume` on the checkpoint it picks."""
+    resume = resolve_resume(resume_from_checkpoint, output_dir)
+    if isinstance(resume, str):
+        check_resume(resume, run, allow_changes)
+    return resume

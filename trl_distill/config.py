@@ -133,6 +133,11 @@ class DistillationConfig(SFTConfig):
             "the chat template has generation markers or TRL can add them, off (with a warning) otherwise."
         },
     )
+    resume_allow_changes: bool = field(
+        default=False,
+        metadata={"help": "Resume a checkpoint even though the teacher or the distillation settings (divergence, "
+                  "temperature, alpha, ...) differ from the run that wrote it. Off: such a resume is refused."},
+    )
     loss_chunk_size: int | None = field(
         default=None,
         metadata={
@@ -155,6 +160,14 @@ class DistillationConfig(SFTConfig):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value}.")
+        if self.gradient_accumulation_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be >= 1, got {self.gradient_accumulation_steps}.")
+        if self.max_steps == 0:
+            raise ValueError("max_steps=0 trains nothing (and would still save over output_dir): pass max_steps > 0, "
+                             "or -1 to train for num_train_epochs.")
+        if isinstance(self.resume_from_checkpoint, str) and self.resume_from_checkpoint.lower() in ("true", "false"):
+            # the CLI hands `--resume_from_checkpoint true` over as a string: the API's True (newest checkpoint)
+            self.resume_from_checkpoint = True if self.resume_from_checkpoint.lower() == "true" else None
         if self.loss_chunk_size is not None and self.loss_chunk_size < 1:
             raise ValueError(f"loss_chunk_size must be a positive integer or None, got {self.loss_chunk_size}.")
         if self.auto_find_batch_size and (self.deepspeed or self.teacher_deepspeed):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -25,7 +26,12 @@ def load_dataset_any(name: str, config: str | None = None) -> DatasetDict:
         builder = _FILE_BUILDERS.get(os.path.splitext(name)[1].lower())
         if builder is None:
             raise ValueError(f"Unsupported dataset file {name!r}: use one of {', '.join(_FILE_BUILDERS)}.")
-        return load_dataset(builder, data_files={"train": name})
+        if os.path.getsize(name) == 0:
+            raise ValueError(f"Dataset file {name!r} is empty (0 bytes).")
+        try:
+            return load_dataset(builder, data_files={"train": name})
+        except Exception as error:  # datasets wraps a parser's error in its own DatasetGenerationError
+            raise ValueError(_unreadable(name, builder, error)) from error
     if os.path.isdir(name):
         if os.path.exists(os.path.join(name, "dataset_dict.json")) or os.path.exists(
             os.path.join(name, "dataset_info.json")
@@ -38,11 +44,30 @@ def load_dataset_any(name: str, config: str | None = None) -> DatasetDict:
     return load_dataset(name, name=config)
 
 
+def _unreadable(name: str, builder: str, error: Exception) -> str:
+    """One line for a data file its loader cannot read: for JSON Lines, the first line that does not parse."""
+    if builder == "json" and name.endswith(".jsonl"):
+        with open(name, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    json.loads(line)
+                except json.JSONDecodeError as bad:
+                    return f"Dataset file {name!r}, line {number}: not valid JSON ({bad.msg}). Fix or remove that line."
+    cause = error.__cause__ or error
+    detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    return f"Cannot read dataset file {name!r} as {builder}: {detail}"
+
+
 def check_format(dataset: Dataset, split: str = "train") -> str:
-    """The SFT format of `dataset` (see `FORMATS`), or one clear error naming the columns found and expected."""
+    """The SFT format of `dataset` (see `FORMATS`), or one clear error naming the columns found and expected, or the
+    first row that lacks its format's fields (rows of two formats mixed in one file) or holds a malformed
+    conversation."""
     columns = set(dataset.column_names)
     for fmt, needed in FORMATS.items():
         if set(needed) <= columns:
+            _check_rows(dataset, fmt, needed, split)
             return fmt
     expected = "; ".join(f"{fmt}: {', '.join(cols)}" for fmt, cols in FORMATS.items())
     raise ValueError(
@@ -88,3 +113,40 @@ def student_tokenizer(model, dataset):
 
     source = model if isinstance(model, str) else getattr(model.config, "_name_or_path", None)
     return AutoTokenizer.from_pretrained(source) if source else None
+
+
+def _check_rows(dataset: Dataset, fmt: str, needed: tuple[str, ...], split: str) -> None:
+    for column in needed:
+        for row, value in enumerate(dataset[column]):
+            if value is None:
+                present = sorted(k for k, v in dataset[row].items() if v is not None)
+                raise ValueError(f"Row {row} of the {split!r} split has no {column!r} (it has {present}): every row "
+                                 f"must be in one format, here {fmt} ({', '.join(needed)}).")
+            if column == "messages" and not (isinstance(value, list) and all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in value)):
+                raise ValueError(f"Row {row} of the {split!r} split: 'messages' must be a list of {{'role', "
+                                 f"'content'}} turns, got {str(value)[:80]!r}.")
+
+
+def log_skipped_rows(given, prepared, args) -> None:
+    """Say how many training rows SFT's preparation dropped because they carry no loss token (a conversation with
+    no assistant turn, a completion truncated away): a counted, logged skip rather than a silent one."""
+    if args.packing or not hasattr(given, "__len__") or isinstance(given, dict) or not hasattr(prepared, "__len__"):
+        return
+    skipped = len(given) - len(prepared)
+    if skipped > 0:
+        logger.warning(f"{skipped} of {len(given)} training rows carry no loss token (no completion or assistant "
+                       f"turn left within max_length={args.max_length}) and are skipped.")
+
+
+def drop_unanswered_conversations(dataset, assistant_only_loss: bool):
+    """A conversational dataset trained on assistant tokens, without the rows that have no assistant turn (they
+    carry no loss token; TRL would stop on them): a counted, logged skip. Other datasets are returned as they are."""
+    if (not assistant_only_loss or not hasattr(dataset, "filter") or isinstance(dataset, dict)
+            or "messages" not in (dataset.column_names or [])):
+        return dataset
+    answered = dataset.filter(lambda row: any(m.get("role") == "assistant" for m in row["messages"] or []))
+    if len(answered) < len(dataset):
+        logger.warning(f"{len(dataset) - len(answered)} of {len(dataset)} training rows have no assistant turn (no "
+                       "loss token) and are skipped.")
+    return answered

@@ -163,3 +163,11 @@ def build_teacher_config(
         )
     config.setdefault("steps_per_print", float("inf"))
     return config
+
+
+def print_engine_configs(accelerator, teacher_notes: list[str]) -> None:
+    """Print the effective DeepSpeed config of each engine (call on global rank 0, as training starts)."""
+    plugins = getattr(accelerator.state, "deepspeed_plugins", None)
+    for name, plugin in (plugins.items() if isinstance(plugins, dict) else ()):
+        note = f" ({'; '.join(teacher_notes)})" if name == "teacher" and teacher_notes else ""
+        print(f"trl_distill: {name} DeepSpeed config{note}: {json.dumps(plugin.deepspeed_config)}", flush=True)

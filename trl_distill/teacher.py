@@ -18,13 +18,13 @@ import os
 import torch
 from accelerate.utils import DeepSpeedPlugin
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel, TrainingArguments
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from .compat import prepared_models
 from .deepspeed_config import build_teacher_config
 from .modeling import LossFeatures, add_fused_distillation_forward, hidden_size
-from .validation import check_model_path
+from .validation import check_model_path, check_weights_complete
 from .zero3_loading import load_partitioned, loadable
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,7 @@ class Teacher:
             )
         if isinstance(source, str):
             check_model_path(source, "teacher_model")
+            check_weights_complete(source, "teacher_model")
         self.source = source
         self.init_kwargs = dict(init_kwargs or {})
         self.module: nn.Module | None = None  # the unwrapped model
@@ -105,6 +106,11 @@ class Teacher:
     @property
     def prepared(self) -> bool:
         return self.engine is not None
+
+    @property
+    def name(self) -> str:
+        """The path or hub id it was loaded from (what a checkpoint records)."""
+        return self.source if isinstance(self.source, str) else self.config.name_or_path
 
     def plugin(self, args, student_plugin) -> DeepSpeedPlugin:
         """The teacher's own DeepSpeed plugin beside `student_plugin`: ZeRO-3 inference unless `args.teacher_deepspeed`
@@ -186,6 +192,7 @@ class SelfTeacher:
         self.engine = None
 
     prepared = True
+    name = SELF
 
     def prepare(self, accelerator, device: torch.device) -> None:
         """Nothing to load or prepare: the student's engine already holds the weights."""
@@ -223,6 +230,10 @@ def resolve_teacher(teacher_model, args, eval_dataset, student, peft_config):
     """
     from .cache.reader import TeacherCache
 
+    if isinstance(teacher_model, TrainingArguments):
+        raise TypeError("DistillationTrainer(model, teacher_model, args, ...): "
+                        "the second positional argument is the teacher. Pass the training arguments by keyword, "
+                        "`args=...`.")
     teacher_model = teacher_model if teacher_model is not None else args.teacher_model_name_or_path
     if args.teacher_cache is not None:
         if teacher_model is not None:

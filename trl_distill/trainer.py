@@ -3,34 +3,34 @@ a student trained with any ZeRO stage (or without DeepSpeed)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from functools import partial
 
 import torch
-from transformers import PreTrainedModel, TrainerCallback, TrainingArguments
+from transformers import PreTrainedModel, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import SFTTrainer
 
+from . import compat  # the private library APIs we use, each in one named function
 from .cache.reader import ROW, pop_signal, train_from_cache
-from .checkpoints import mark_complete, resolve_resume
-from .compat import (
-    count_items_over_shifted_labels,
-    deepspeed_hidden_from,
-    eval_metric_values,
-    keep_dataset_column,
-    prepare_inputs,
-)
+from .checkpoints import mark_complete, resume_point, run_record
 from .config import DistillationConfig, as_distillation_config
-from .data import resolve_assistant_only_loss, student_tokenizer
+from .data import drop_unanswered_conversations, log_skipped_rows, resolve_assistant_only_loss, student_tokenizer
+from .deepspeed_config import print_engine_configs
 from .logit_check import probe_inputs, settle_logit_paths
 from .losses import DenseTeacherSignal, LossSettings, fused_loss, select_loss_rows
 from .modeling import LossFeatures, add_fused_distillation_forward, gathered
 from .on_policy import CompletionSampler, refuse_zero3_student_sampling
 from .sparse_losses import SparseSignalChunks
 from .teacher import SELF, STUDENT, TEACHER, SelfTeacher, Teacher, resolve_teacher
-from .validation import check_dataset_not_empty, check_teacher_finite, check_tokenizers_match, shared_vocab_size
+from .validation import (
+    check_dataset_not_empty,
+    check_output_dir,
+    check_teacher_finite,
+    check_tokenizers_match,
+    shared_vocab_size,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class DistillationTrainer(SFTTrainer):
     (ZeRO-2 is the usual choice) and the teacher gets a separate ZeRO-3 inference engine (``args.teacher_deepspeed``
     or a derived one): each of N ranks holds 1/N of the teacher, loaded that way from the start. Unlike
     `trl.DistillationTrainer`, which replicates the teacher unless the student is ZeRO-3 and is on-policy only,
-    this trainer distils off-policy on the dataset's completions.
+    this trainer distils on the dataset's completions and, with `lmbda` / `seq_kd`, on sampled ones.
 
     Args:
         model: the student, a `PreTrainedModel` or a path / hub id.
@@ -77,17 +77,14 @@ class DistillationTrainer(SFTTrainer):
         peft_config=None,
         formatting_func=None,
     ):
-        if isinstance(teacher_model, TrainingArguments):
-            raise TypeError(
-                "DistillationTrainer(model, teacher_model, args, ...): the second positional argument is the teacher. "
-                "Pass the training arguments by keyword, `args=...`."
-            )
         args = DistillationConfig(output_dir="distilled-model") if args is None else as_distillation_config(args)
+        check_output_dir(args.output_dir)
         check_dataset_not_empty(train_dataset, "train", "given")
         self.teacher, self.teacher_cache = resolve_teacher(teacher_model, args, eval_dataset, model, peft_config)
         if args.assistant_only_loss is None:
             processing_class = processing_class or student_tokenizer(model, train_dataset)
             args.assistant_only_loss = resolve_assistant_only_loss(None, train_dataset, processing_class)
+        train_dataset = drop_unanswered_conversations(train_dataset, args.assistant_only_loss)
         output_dir_existed = os.path.exists(args.output_dir)
         super().__init__(  # SFTTrainer's own arguments, as given
             model, args=args, data_collator=data_collator, train_dataset=train_dataset, eval_dataset=eval_dataset,
@@ -96,6 +93,8 @@ class DistillationTrainer(SFTTrainer):
             preprocess_logits_for_metrics=preprocess_logits_for_metrics, peft_config=peft_config,
             formatting_func=formatting_func,
         )
+        if self.accelerator.is_main_process:
+            log_skipped_rows(train_dataset, self.train_dataset, args)
         if self.aux_loss_enabled:
             raise ValueError(
                 "A Mixture-of-Experts student with a router load-balancing loss is not supported yet: the "
@@ -127,7 +126,7 @@ class DistillationTrainer(SFTTrainer):
         # Our loss sums over completion tokens and divides by their count over the accumulated, all-rank batch:
         # ask the Trainer for that count (`num_items_in_batch`), taken over the shifted labels.
         self.model_accepts_loss_kwargs = True
-        count_items_over_shifted_labels(self)
+        compat.count_items_over_shifted_labels(self)
         self._distill_sums = {"kd_loss": 0.0, "ce_loss": 0.0}
         self.sampler = CompletionSampler(self)  # on-policy / sequence-level completions (lmbda, seq_kd)
         self._distill_last_logged_step = 0
@@ -162,27 +161,24 @@ class DistillationTrainer(SFTTrainer):
             # An engine from evaluate() or an earlier train(): the Trainer's free_memory() is about to destroy it,
             # and the stock Trainer would then skip preparing the student (no engine for `backward`).
             self.model_wrapped, self.deepspeed = self.model, None
-        resume_from_checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        return super().train(self.resume_point(resume_from_checkpoint), *args, **kwargs)
+
+    def resume_point(self, resume_from_checkpoint: str | bool | None) -> str | bool | None:
+        """The checkpoint to resume (the newest complete one for True), refused when another distillation set-up
+        or process count wrote it (`checkpoints.check_resume`)."""
+        return resume_point(resume_from_checkpoint, self.args.output_dir, self._run_record(),
+                            self.args.resume_allow_changes)
+
+    def _run_record(self) -> dict:
+        teacher = getattr(self.teacher, "name", None)
+        return run_record(self.args, teacher, self.accelerator.num_processes, self.is_deepspeed_enabled)
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         self.accelerator.wait_for_everyone()  # every rank's optimizer shard and RNG state is on disk
         if self.args.should_save:
             name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            mark_complete(os.path.join(self._get_output_dir(trial), name))
-
-    def _print_engine_configs(self) -> None:
-        """Rank 0 prints the effective DeepSpeed config of both engines, once, as training starts."""
-        plugins = getattr(self.accelerator.state, "deepspeed_plugins", None)
-        if not isinstance(plugins, dict) or getattr(self, "_engine_configs_printed", False):
-            return
-        self._engine_configs_printed = True
-        if self.accelerator.is_main_process:  # global rank 0 (accelerator.print prints once per node)
-            for name, plugin in plugins.items():
-                notes = getattr(self.teacher, "config_notes", []) if name == TEACHER else []
-                note = f" ({'; '.join(notes)})" if notes else ""
-                print(f"trl_distill: {name} DeepSpeed config{note}: {json.dumps(plugin.deepspeed_config)}", flush=True)
+            mark_complete(os.path.join(self._get_output_dir(trial), name), self._run_record())
 
     @property
     def loss_settings(self) -> LossSettings:
@@ -199,21 +195,19 @@ class DistillationTrainer(SFTTrainer):
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
         if self.teacher_cache is not None:
-            keep_dataset_column(self, ROW)  # each row's index into the cache
+            compat.keep_dataset_column(self, ROW)  # each row's index into the cache
 
     def get_train_dataloader(self):
-        dataloader = super().get_train_dataloader()
-        self.prepare_teacher()  # after `train()`'s free_memory(), on every rank
-        return dataloader
+        return self._with_teacher(super().get_train_dataloader())  # after `train()`'s free_memory(), on every rank
 
     def get_eval_dataloader(self, eval_dataset=None):
-        dataloader = super().get_eval_dataloader(eval_dataset)
-        self.prepare_teacher()
-        return dataloader
+        return self._with_teacher(super().get_eval_dataloader(eval_dataset))
 
     def get_test_dataloader(self, test_dataset):
-        dataloader = super().get_test_dataloader(test_dataset)
-        self.prepare_teacher()  # predict()
+        return self._with_teacher(super().get_test_dataloader(test_dataset))  # predict()
+
+    def _with_teacher(self, dataloader):
+        self.prepare_teacher()
         return dataloader
 
     def evaluation_loop(self, *args, **kwargs):
@@ -222,7 +216,7 @@ class DistillationTrainer(SFTTrainer):
             return super().evaluation_loop(*args, **kwargs)
         # Before `train()` the stock loop would build a ZeRO-3 inference engine for the student, which refuses a
         # ZeRO-0/1/2 config. Such a student holds all its weights on every rank: evaluate the module as it is.
-        with deepspeed_hidden_from(self):
+        with compat.deepspeed_hidden_from(self):
             return super().evaluation_loop(*args, **kwargs)
 
     # ---- On-policy / sequence-level KD: completions sampled by the student or the teacher ----
@@ -302,7 +296,7 @@ class DistillationTrainer(SFTTrainer):
             return fused_loss(s_flat, student.head, signal, settings, rows, labels, num_items_in_batch)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        inputs = prepare_inputs(self, inputs)
+        inputs = compat.prepare_inputs(self, inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs).detach()
             if prediction_loss_only:
@@ -321,7 +315,7 @@ class DistillationTrainer(SFTTrainer):
         # Like `eval_loss`: one value per sample, duplicates of an uneven last batch dropped.
         for name, value in (("kd_loss", kd), ("ce_loss", ce)):
             values = self.accelerator.gather_for_metrics(value.detach().reshape(1).repeat(batch_size))
-            eval_metric_values(self, name).extend(values.tolist())
+            compat.eval_metric_values(self, name).extend(values.tolist())
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.model.training and "loss" in logs:
@@ -336,12 +330,16 @@ class DistillationTrainer(SFTTrainer):
 
 
 class _LogStepSync(TrainerCallback):
-    """Starts the `kd_loss`/`ce_loss` step count where `train()` starts (after a resume, at the checkpoint)."""
+    """As `train()` starts: rank 0 prints both engines' DeepSpeed configs (once), and the `kd_loss`/`ce_loss` step
+    count starts where training does (after a resume, at the checkpoint)."""
 
     def __init__(self, trainer: DistillationTrainer):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer._print_engine_configs()
-        self.trainer._distill_last_logged_step = state.global_step
-        self.trainer._distill_sums = {name: 0.0 for name in self.trainer._distill_sums}
+        trainer = self.trainer
+        if not getattr(trainer, "_engine_configs_printed", False) and trainer.accelerator.is_main_process:
+            print_engine_configs(trainer.accelerator, getattr(trainer.teacher, "config_notes", []))
+        trainer._engine_configs_printed = True
+        trainer._distill_last_logged_step = state.global_step
+        trainer._distill_sums = dict.fromkeys(trainer._distill_sums, 0.0)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import socket
+import struct
 
 import torch
 
@@ -19,6 +22,42 @@ def check_model_path(path: str, what: str) -> None:
     """A local-looking model path must be a directory (a hub id is left to `from_pretrained`)."""
     if looks_local(path) and not os.path.isdir(path):
         raise FileNotFoundError(f"{what}: no model directory at {path!r}.")
+
+
+def check_weights_complete(directory: str, what: str) -> None:
+    """A local model's safetensors files hold every byte their headers promise: a truncated or damaged file is one
+    clear error here, on every rank, before any engine is built (else one rank dies mid-load and the others hang)."""
+    if not os.path.isdir(directory):
+        return
+    index = os.path.join(directory, "model.safetensors.index.json")
+    try:
+        if os.path.exists(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = sorted(name for name in os.listdir(directory) if name.endswith(".safetensors"))
+    except (ValueError, KeyError) as error:
+        raise ValueError(f"{what}: {index} is not a valid safetensors index ({error}).") from error
+    for name in files:
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise ValueError(f"{what}: {path} is listed in model.safetensors.index.json but missing.")
+        size = os.path.getsize(path)
+        try:
+            with open(path, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(length)) if 8 + length <= size else None
+        except (struct.error, ValueError, UnicodeDecodeError) as error:
+            raise ValueError(f"{what}: {path} is not a valid safetensors file ({error}). Re-save or re-download "
+                             "the model.") from error
+        if header is None:
+            raise ValueError(f"{what}: {path} is truncated ({size} bytes, shorter than its header). Re-save or "
+                             "re-download the model.")
+        header.pop("__metadata__", None)
+        expected = 8 + length + max((entry["data_offsets"][1] for entry in header.values()), default=0)
+        if size < expected:
+            raise ValueError(f"{what}: {path} is truncated ({size} bytes; its header needs {expected}). Re-save or "
+                             "re-download the model.")
 
 
 def refuse_quantization_without_gpu(init_kwargs: dict | str | None, where: str) -> None:
@@ -105,3 +144,28 @@ def shared_vocab_size(student_config, teacher_config, tokenizer) -> int:
             "which rows they share. Pass `processing_class=` (the tokenizer both models use)."
         )
     return shared
+
+
+def check_output_dir(path: str) -> None:
+    """`output_dir` must be a directory this process can write, checked before any work: an existing file there, or a
+    place it cannot create or write, is one clear error (found at the end otherwise, after the whole run). Writes
+    nothing that stays: an existing directory gets a probe file, removed at once; a missing one is not created here,
+    its nearest existing parent is checked instead."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"output_dir {path!r} is an existing file, not a directory: pass another --output_dir.")
+    if os.path.isdir(path):
+        probe = os.path.join(path, f".trl_distill_write_probe_{socket.gethostname()}_{os.getpid()}")
+        try:
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.remove(probe)
+            return
+        except OSError as error:
+            raise ValueError(f"Cannot write to output_dir {path!r} ({error.strerror or error}): pass a writable "
+                             "--output_dir.") from error
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"Cannot create output_dir {path!r}: {parent!r} is not a writable directory. Pass a "
+                         "writable --output_dir.")

@@ -35,7 +35,7 @@ class Manifest:
     num_rows: int
     shard_rows: int
     format: str = FORMAT
-    shards: list[dict] = field(default_factory=list)  # {"file", "rows": [start, stop], "tokens", "bytes"}
+    shards: list[dict] = field(default_factory=list)  # {"file", "rows": [start, stop], "tokens", "bytes", "sha256"}
     complete: bool = False
 
     @property

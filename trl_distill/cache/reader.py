@@ -10,7 +10,7 @@ import torch
 
 from ..sparse_losses import SparseTeacherSignal
 from .manifest import Manifest, check_fits, tokenizer_hash
-from .shards import flat, read_shard
+from .shards import file_sha256, flat, read_shard
 
 ROW = "teacher_cache_row"  # the column added to the prepared train dataset: the row's index in the cache
 SIGNAL = "teacher_cache_signal"  # the batch key of the rows' signal
@@ -45,12 +45,25 @@ class TeacherCache:
         check_fits(self.manifest, self.directory, tokenizer_hash=tokenizer_hash(tokenizer), vocab_size=vocab_size,
                    temperature=temperature, max_length=max_length, dataset=dataset)
         shards = sorted(self.manifest.shards, key=lambda s: s["index"])
-        for shard in shards:
+        redo = "delete it and run `trl-distill cache-teacher` again with the same flags to rewrite it."
+        for shard in shards:  # every byte read once (sha256), before any training step
             path = os.path.join(self.directory, shard["file"])
             if not os.path.exists(path) or os.path.getsize(path) != shard["bytes"]:
                 raise ValueError(f"The teacher cache shard {path} is missing or was changed since it was written; "
-                                 "run `trl-distill cache-teacher` again with the same flags to rewrite it.")
+                                 f"{redo}")
+            if "sha256" in shard and file_sha256(path) != shard["sha256"]:
+                raise ValueError(f"The teacher cache shard {path} is damaged (its checksum differs from the "
+                                 f"manifest's); {redo}")
         self.table = pa.concat_tables([read_shard(os.path.join(self.directory, s["file"])) for s in shards])
+        self._check_values(redo)
+
+    def _check_values(self, redo: str) -> None:
+        """Cheap sanity on what was read: log-probabilities are numbers <= 0 (-inf is an empty bucket)."""
+        for name in ("top_k_log_probs", "tail_log_prob"):
+            values = flat(self.table.column(name)).astype(np.float32)
+            if values.size and (np.isnan(values).any() or values.max() > 1e-3):
+                raise ValueError(f"The teacher cache {self.directory} holds {name} values that are no "
+                                 f"log-probabilities; {redo}")
 
     def signal(self, rows: list[int]) -> SparseTeacherSignal:
         """The signal of the loss tokens of `rows`, concatenated in order (row-major, as the loss selects them)."""

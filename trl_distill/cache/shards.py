@@ -8,6 +8,7 @@ Shards are written to ``NAME.tmp`` and renamed when whole, so a killed writer ne
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import numpy as np
@@ -51,6 +52,15 @@ def write_shard(path: str, records: list[dict], log_prob_dtype: str) -> int:
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
     return os.path.getsize(path)
+
+
+def file_sha256(path: str) -> str:
+    """The hex sha256 of a file's bytes (a shard's checksum in the manifest)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def read_shard(path: str) -> pa.Table:

@@ -21,7 +21,7 @@ from ..logit_check import probe_inputs, settle_logit_paths
 from ..modeling import gathered
 from ..sparse_losses import top_k_teacher_signal
 from .manifest import Manifest, dataset_fingerprint, tokenizer_hash
-from .shards import ARROW_TYPES, shard_name, write_shard
+from .shards import ARROW_TYPES, file_sha256, shard_name, write_shard
 
 # Loss tokens projected through the teacher's lm_head at a time (bounds the [rows, V] logits)
 _ROWS_PER_PROJECTION = 256
@@ -104,10 +104,11 @@ def fill_teacher_cache(trainer, directory: str, manifest: Manifest, *, batch_siz
         records = gather_object(records) if accelerator.num_processes > 1 else records
         if accelerator.is_main_process:
             records.sort(key=lambda r: r["row"])
-            size = write_shard(os.path.join(directory, shard_name(index)), records, log_prob_dtype)
+            path = os.path.join(directory, shard_name(index))
+            size = write_shard(path, records, log_prob_dtype)
             tokens = sum(len(r["positions"]) for r in records)
             manifest.shards.append({"index": index, "file": shard_name(index), "rows": [rows.start, rows.stop],
-                                    "tokens": tokens, "bytes": size})
+                                    "tokens": tokens, "bytes": size, "sha256": file_sha256(path)})
             manifest.complete = len(manifest.shards) == manifest.num_shards
             manifest.save(directory)
         accelerator.wait_for_everyone()

@@ -15,7 +15,7 @@ def make_parser():
 
 def validate(script_args, training_args, model_args) -> None:
     """Checks that need no model: fail in seconds, before anything is loaded or written."""
-    from ..validation import check_model_path, refuse_quantization_without_gpu
+    from ..validation import check_model_path, check_weights_complete, refuse_quantization_without_gpu
 
     if not model_args.model_name_or_path:
         raise ValueError("Pass the student with --model_name_or_path.")
@@ -26,6 +26,7 @@ def validate(script_args, training_args, model_args) -> None:
     if model_args.load_in_4bit or model_args.load_in_8bit:
         refuse_quantization_without_gpu({"load_in_4bit": True}, "--load_in_4bit/--load_in_8bit")
     check_model_path(model_args.model_name_or_path, "--model_name_or_path")
+    check_weights_complete(model_args.model_name_or_path, "--model_name_or_path")
     if training_args.teacher_cache:
         pass  # the teacher is not loaded: its weights need not exist here
     elif training_args.teacher_model_name_or_path != "self":
@@ -76,12 +77,10 @@ def build_trainer(script_args, training_args, model_args):
 
 def main(argv: list[str]) -> None:
     """`trl-distill [flags]`: parse, set up (bad input: one line), then train and save (errors keep their traceback)."""
-    from ..checkpoints import resolve_resume
-
     with errors_as_messages():
         script_args, training_args, model_args = make_parser().parse_args_and_config(args=argv)
         trainer = build_trainer(script_args, training_args, model_args)
-        resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
+        resume = trainer.resume_point(training_args.resume_from_checkpoint)
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(training_args.output_dir)
     if trainer.accelerator.is_main_process:  # global rank 0, the one that wrote it
