@@ -282,3 +282,40 @@ def test_cache_teacher_resumes_byte_identically_and_training_needs_no_teacher(ti
     assert result.stdout.count("'kd_loss'") == 3
     assert "teacher DeepSpeed config" not in result.stdout  # one engine: the student's
     assert (out / "model.safetensors").exists()
+
+
+def test_a_damaged_shard_is_refused_before_training(tiny_pair, full_cache, tmp_path):
+    """A block of zeros of the same size (a disk or copy fault) fails the shard's checksum; a shard rewritten with
+    a consistent checksum but impossible values fails the value check. Each is one message, nothing trained."""
+    import numpy as np
+    import pyarrow as pa
+
+    from trl_distill.cache.shards import file_sha256
+
+    damaged = tmp_path / "zeroed"
+    shutil.copytree(full_cache["dir"], damaged)
+    shard = damaged / "shard-00001.arrow"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2: len(raw) // 2 + 256] = bytes(256)
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"shard-00001.arrow is damaged \(its checksum differs"):
+        cached_trainer(tiny_pair, {**full_cache, "dir": damaged}, "zeroed")
+
+    positive = tmp_path / "positive"
+    shutil.copytree(full_cache["dir"], positive)
+    shard = positive / "shard-00002.arrow"
+    table = pa.ipc.open_stream(pa.BufferReader(shard.read_bytes())).read_all()  # in memory, not mapped: rewritten below
+    probs = table.column("top_k_log_probs").combine_chunks()
+    values = probs.flatten().to_numpy(zero_copy_only=False).copy()
+    values[3] = 0.5  # log p > 0: not a log-probability
+    table = table.set_column(table.schema.get_field_index("top_k_log_probs"), "top_k_log_probs",
+                             pa.ListArray.from_arrays(probs.offsets, pa.array(values, type=probs.type.value_type)))
+    with pa.OSFile(str(shard), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    manifest = json.loads((positive / "manifest.json").read_text())
+    entry = next(s for s in manifest["shards"] if s["file"] == shard.name)
+    entry["bytes"], entry["sha256"] = shard.stat().st_size, file_sha256(str(shard))
+    (positive / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="holds top_k_log_probs values that are no log-probabilities"):
+        cached_trainer(tiny_pair, {**full_cache, "dir": positive}, "positive")
+    assert np.isfinite(values).all()
