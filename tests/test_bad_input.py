@@ -127,3 +127,15 @@ def test_resume_on_another_number_of_processes_is_one_line(tiny_pair, data, zero
     assert result.returncode == 2, result.stderr[-3000:]
     assert (f"trl-distill: error: Checkpoint '{checkpoint}' was written by 2 processes and this run has 1"
             in result.stderr)
+
+
+def test_an_error_once_training_runs_keeps_its_traceback(tiny_pair, data, tmp_path, monkeypatch):
+    """The one-line boundary covers parsing and set-up only: a bug mid-training surfaces whole."""
+    from trl_distill.trainer import DistillationTrainer
+
+    def broken(self, *args, **kwargs):
+        raise ValueError("a bug inside the loss")
+
+    monkeypatch.setattr(DistillationTrainer, "compute_loss", broken)
+    with pytest.raises(ValueError, match="a bug inside the loss"):  # not SystemExit(2) with one line
+        main(cli_args(tiny_pair, data, tmp_path / "out", "--use_cpu"))
