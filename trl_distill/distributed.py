@@ -47,9 +47,21 @@ def _set_single_process_env() -> None:
 
 
 def _destroy_process_group() -> None:
-    # Without this, a CPU gloo run aborts at interpreter exit (exit code -6).
+    # Without this, a CPU gloo run aborts at interpreter exit (exit code -6, "terminate called without an active
+    # exception") now and then.
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+_destroy_registered = []
+
+
+def _destroy_at_exit() -> None:
+    """Register `_destroy_process_group` once per process, whoever created the group (a stock `TrainingArguments`
+    built before ours, accelerate, or us)."""
+    if not _destroy_registered:
+        atexit.register(_destroy_process_group)
+        _destroy_registered.append(True)
 
 
 def _forget_single_process_state() -> None:
@@ -78,7 +90,7 @@ def prepare_cpu_distributed_state(args) -> None:
     _forget_single_process_state()
     if not partial_state_fields():
         PartialState(backend="gloo")
-        atexit.register(_destroy_process_group)
+    _destroy_at_exit()
     accelerator_config = args.accelerator_config
     if accelerator_config is None:
         args.accelerator_config = {"use_configured_state": True}
