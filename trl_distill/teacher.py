@@ -125,12 +125,6 @@ class Teacher:
             config["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
         return DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=stage == 3)
 
-    def release(self) -> None:
-        """Release what a ZeRO-3 teacher holds gathered or has in flight (DeepSpeed's public
-        `empty_partition_cache`), e.g. as training ends, so no all-gather is pending when the processes exit."""
-        if self.engine is not None and hasattr(self.engine, "empty_partition_cache"):
-            self.engine.empty_partition_cache()
-
     def generation(self, num_processes: int) -> tuple[nn.Module, object, bool]:
         """``(model, context, synced_gpus)`` for sampling from the teacher: a partitioned teacher samples with every
         rank stepping until all ranks are done."""

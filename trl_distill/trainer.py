@@ -331,8 +331,7 @@ class DistillationTrainer(SFTTrainer):
 
 class _LogStepSync(TrainerCallback):
     """As `train()` starts: rank 0 prints both engines' DeepSpeed configs (once), and the `kd_loss`/`ce_loss` step
-    count starts where training does (after a resume, at the checkpoint). As it ends: the teacher lets go of
-    gathered or in-flight parameters."""
+    count starts where training does (after a resume, at the checkpoint)."""
 
     def __init__(self, trainer: DistillationTrainer):
         self.trainer = trainer
@@ -344,7 +343,3 @@ class _LogStepSync(TrainerCallback):
         trainer._engine_configs_printed = True
         trainer._distill_last_logged_step = state.global_step
         trainer._distill_sums = dict.fromkeys(trainer._distill_sums, 0.0)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if isinstance(self.trainer.teacher, Teacher):  # every rank
-            self.trainer.teacher.release()
