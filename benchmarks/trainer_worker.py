@@ -95,6 +95,7 @@ def collate(examples: list[dict]) -> dict[str, torch.Tensor]:
 def common_args(spec: dict) -> dict:
     return dict(
         output_dir=spec["out"], max_steps=spec["steps"], per_device_train_batch_size=spec["batch"],
+        gradient_accumulation_steps=spec.get("accumulation", 1),
         learning_rate=1e-4, lr_scheduler_type="constant", seed=0, bf16=False, fp16=False,
         gradient_checkpointing=False, report_to="none", disable_tqdm=True, save_strategy="no",
         logging_steps=10**6, remove_unused_columns=False, dataset_kwargs={"skip_prepare_dataset": True},

@@ -44,7 +44,13 @@ CONTENDERS = {
     "ours_z2_z3": ("ours", Z2, 2, "ours, student ZeRO-2 + teacher ZeRO-3"),
     "ours_z3_z3": ("ours", Z3, 2, "ours, ZeRO-3 for both"),
     "gkd_z3": ("gkd", Z3, 2, "GKD, ZeRO-3 for both"),
+    # gradient accumulation 8, micro batch 1 (`plan()["ga8"]`): the teacher once per optimizer step pays off here
+    "ours_1p_ga8": ("ours", None, 1, "ours, 1 process, no DeepSpeed, grad. accum. 8"),
+    "gkd_z2_ga8": ("gkd", Z2, 2, "GKD, student ZeRO-2, grad. accum. 8"),
+    "ours_z2_z3_ga8": ("ours", Z2, 2, "ours, ZeRO-2 + teacher ZeRO-3, grad. accum. 8"),
+    "ours_z3_z3_ga8": ("ours", Z3, 2, "ours, ZeRO-3 for both, grad. accum. 8"),
 }
+ACCUMULATED = "_ga8"  # contenders named so run with `plan()["ga8"]`'s batch shape
 # name: (numerator, denominator, metric, goal comparison, goal, what it says)
 RATIOS = {
     "teacher_bytes_vs_gkd_z2": ("ours_z2_z3", "gkd_z2", "teacher_mib", "<=", 0.55, "teacher bytes per rank"),
@@ -57,20 +63,32 @@ RATIOS = {
     "tokens_1p_vs_gkd_1p": ("ours_1p", "gkd_1p", "tokens_per_s", ">=", 1.2, "tokens/s, 1 process"),
     "step_time_vs_bare": ("ours_1p", "bare_1p", "step_s", "<=", 1.10, "step time vs bare loop, 1 process"),
     "gkd_step_time_vs_bare": ("gkd_1p", "bare_1p", "step_s", None, None, "GKD step time vs bare loop"),
+    "teacher_load_growth": ("ours_z2_z3", None, "teacher_load_fraction", "<=", 0.55,
+                            "teacher-attributable RSS growth, loading, / teacher bytes"),
+    "ga8_tokens_vs_gkd_z2": ("ours_z2_z3_ga8", "gkd_z2_ga8", "tokens_per_s", ">=", 1.2, "tokens/s, grad. accum. 8"),
+    "ga8_teacher_bytes_vs_gkd_z2": ("ours_z2_z3_ga8", "gkd_z2_ga8", "teacher_mib", "<=", 0.55,
+                                    "teacher bytes per rank, grad. accum. 8"),
+    "ga8_tokens_vs_ours_z3_z3": ("ours_z2_z3_ga8", "ours_z3_z3_ga8", "tokens_per_s", ">=", 1.3,
+                                 "tokens/s vs ZeRO-3 for both, grad. accum. 8"),
+    "ga8_step_time_2p_vs_1p": ("ours_z2_z3_ga8", "ours_1p_ga8", "step_s", "<=", 1.15,
+                               "step time, 2 processes / 1, same per-rank batch, grad. accum. 8"),
 }
 METRICS = (
     "tokens_per_s", "step_s", "teacher_mib", "load_peak_mib", "load_increment_mib", "train_peak_mib", "train_loss",
+    "teacher_load_fraction",
 )  # fmt: skip
 
 
 def plan(smoke: bool) -> dict:
+    """The run's shape. `batch`/`steps`/`warmup` for the contenders without gradient accumulation; `ga8` for those
+    named ``*_ga8`` (micro batch 1, 8 micro-batches per optimizer step; 4 in --smoke)."""
     if smoke:
         return {"vocab_size": 512, "seq_len": 32, "prompt_len_range": [8, 24], "batch": 2, "steps": 3, "warmup": 1,
-                "repeats": 1, "timeout_s": 240,
+                "ga8": {"batch": 1, "accumulation": 4, "steps": 3, "warmup": 1}, "repeats": 1, "timeout_s": 240,
                 "teacher": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
                 "student": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)}
     return {"vocab_size": 32000, "seq_len": 128, "prompt_len_range": [32, 96], "batch": 2, "steps": 8, "warmup": 2,
-            "repeats": 3, "timeout_s": 600,
+            "ga8": {"batch": 1, "accumulation": 8, "steps": 5, "warmup": 1}, "repeats": 3, "timeout_s": 600,
             "teacher": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12),
             "student": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4),
             }  # fmt: skip
@@ -108,17 +126,24 @@ def build_models(cfg: dict, directory: Path) -> dict:
 
 
 # ---- runs ---------------------------------------------------------------------------------------------------
+def shape(name: str, cfg: dict) -> dict:
+    """``batch``, ``accumulation``, ``steps`` and ``warmup`` of contender `name`."""
+    if name.endswith(ACCUMULATED):
+        return cfg["ga8"]
+    return {"batch": cfg["batch"], "accumulation": 1, "steps": cfg["steps"], "warmup": cfg["warmup"]}
+
+
 def run_contender(name: str, cfg: dict, models: dict, out: Path) -> dict:
     """Launch one run of `name`; return its per-rank records (or the error) and its wall time."""
     from trl_distill.testing import launch, read_rank_records
 
     trainer, deepspeed, nproc, _ = CONTENDERS[name]
+    run = shape(name, cfg)
     spec = {
         "trainer": trainer, "deepspeed": deepspeed, "out": str(out), "student": models["student"],
         "teacher": models["teacher"], "tokenizer": models["tokenizer"], "vocab_size": cfg["vocab_size"],
-        "seq_len": cfg["seq_len"], "prompt_len_range": cfg["prompt_len_range"], "batch": cfg["batch"],
-        "steps": cfg["steps"], "warmup": cfg["warmup"], "data_seed": 0,
-        "num_examples": cfg["steps"] * cfg["batch"] * nproc,
+        "seq_len": cfg["seq_len"], "prompt_len_range": cfg["prompt_len_range"], **run, "data_seed": 0,
+        "num_examples": run["steps"] * run["batch"] * run["accumulation"] * nproc,
     }  # fmt: skip
     t0 = time.perf_counter()
     try:
@@ -134,7 +159,8 @@ def run_contender(name: str, cfg: dict, models: dict, out: Path) -> dict:
         ranks = read_rank_records(out, nproc)
     except (RuntimeError, subprocess.TimeoutExpired, OSError) as err:
         return {"error": str(err)[-4000:], "wall_s": time.perf_counter() - t0}
-    return {"metrics": metrics(ranks, cfg), "ranks": [_slim(r) for r in ranks], "wall_s": time.perf_counter() - t0}
+    return {"metrics": metrics(ranks, cfg, run, models["student_params"] * 4 / MIB), "ranks": [_slim(r) for r in ranks],
+            "wall_s": time.perf_counter() - t0}
 
 
 def _contender_info(name: str) -> dict:
@@ -147,12 +173,13 @@ def _slim(rank: dict) -> dict:
     return {k: v for k, v in rank.items() if k != "spec"}
 
 
-def metrics(ranks: list[dict], cfg: dict) -> dict:
-    """Per-run figures; memory figures are the largest over ranks (each rank's value is kept in `per_rank`)."""
+def metrics(ranks: list[dict], cfg: dict, run: dict, student_mib: float) -> dict:
+    """Per-run figures; memory figures are the largest over ranks (each rank's value is kept in `per_rank`).
+    `teacher_load_fraction`: RSS growth while loading less the student's bytes (fp32), over the teacher's bytes."""
     world = len(ranks)
     seconds = max(r["timed_seconds"] for r in ranks)  # the slowest rank sets the pace
     steps = ranks[0]["timed_steps"]
-    tokens = steps * cfg["batch"] * cfg["seq_len"] * world
+    tokens = steps * run["batch"] * run["accumulation"] * cfg["seq_len"] * world
     per_rank = {
         "teacher_mib": [r["teacher_bytes"]["held"] / MIB for r in ranks],
         "load_peak_mib": [r["memory"]["teacher_ready"]["VmHWM"] / MIB for r in ranks],
@@ -163,6 +190,8 @@ def metrics(ranks: list[dict], cfg: dict) -> dict:
         "start_rss_mib": [r["memory"]["start"]["VmRSS"] / MIB for r in ranks],
         "before_trainer_rss_mib": [r["memory"]["before_trainer"]["VmRSS"] / MIB for r in ranks],
     }
+    total_mib = ranks[0]["teacher_bytes"]["total"] / MIB
+    per_rank["teacher_load_fraction"] = [(g - student_mib) / total_mib for g in per_rank["load_increment_mib"]]
     out = {k: max(v) for k, v in per_rank.items()}
     out.update(tokens_per_s=tokens / seconds, step_s=seconds / steps, per_rank=per_rank,
                teacher_total_mib=ranks[0]["teacher_bytes"]["total"] / MIB, train_loss=ranks[0]["train_loss"],
@@ -187,10 +216,13 @@ def ratios(runs: dict[str, list[dict]]) -> dict:
     """Each ratio repeat by repeat (repeat i of the numerator / repeat i of the denominator), then summarised."""
     out = {}
     for key, (num, den, metric, op, goal, what) in RATIOS.items():
-        if num not in runs or den not in runs:
+        if num not in runs or (den is not None and den not in runs):
             continue
-        pairs = [a["metrics"][metric] / b["metrics"][metric] for a, b in zip(runs[num], runs[den])
-                 if "metrics" in a and "metrics" in b and b["metrics"][metric]]  # fmt: skip
+        if den is None:  # a target on one contender's own metric (already a fraction)
+            pairs = [a["metrics"][metric] for a in runs[num] if "metrics" in a]
+        else:
+            pairs = [a["metrics"][metric] / b["metrics"][metric] for a, b in zip(runs[num], runs[den])
+                     if "metrics" in a and "metrics" in b and b["metrics"][metric]]  # fmt: skip
         row = {"numerator": num, "denominator": den, "metric": metric, "what": what, "per_repeat": pairs,
                "goal_op": op, "goal": goal}  # fmt: skip
         if pairs:
@@ -224,7 +256,9 @@ def markdown(rep: dict) -> str:
         f"(random-init Llama, shared {c['vocab_size']}-token vocabulary), fp32, {c['seq_len']}-token sequences "
         f"(prompt {c['prompt_len_range'][0]}-{c['prompt_len_range'][1]} tokens masked from the loss), batch "
         f"{c['batch']} per rank, {c['steps']} optimizer steps of which the first {c['warmup']} are warm-up (not "
-        f"timed), {c['repeats']} repeat(s). Forward KL at T=1: ours `alpha=1`; GKD `lmbda=0, beta=0, seq_kd=False`. "
+        f"timed); `*_ga8`: micro batch {c['ga8']['batch']}, gradient accumulation {c['ga8']['accumulation']}, "
+        f"{c['ga8']['steps']} steps of which {c['ga8']['warmup']} warm-up; {c['repeats']} repeat(s). Forward KL at "
+        "T=1: ours `alpha=1`; GKD `lmbda=0, beta=0, seq_kd=False`. "
         "DeepSpeed on CPU (gloo), one torch thread per rank. Each cell: median [min, max] over repeats.",
         "",
         f"Machine: {mach['cpu']}, {mach['cpus']} CPUs, torch {mach['torch']}, transformers "
@@ -248,7 +282,8 @@ def markdown(rep: dict) -> str:
     for r in rep["ratios"].values():
         goal = f"{r['goal_op']} {r['goal']}" if r["goal"] is not None else ""
         met = "" if "met" not in r else ("met" if r["met"] else "**MISSED**")
-        lines.append(f"| {r['what']} | {r['numerator']} | {r['denominator']} | {_mmm(r, '.3f')} | {goal} | {met} |")
+        lines.append(f"| {r['what']} | {r['numerator']} | {r['denominator'] or '(itself)'} | {_mmm(r, '.3f')} | {goal} "
+                     f"| {met} |")
     lines += ["", *notes(rep)]
     return "\n".join(lines) + "\n"
 
@@ -331,7 +366,8 @@ def readme_block(rep: dict) -> str:
     for r in rep["ratios"].values():
         goal = f"{r['goal_op']} {r['goal']}" if r["goal"] is not None else ""
         met = "" if "met" not in r else ("met" if r["met"] else "**missed**")
-        lines.append(f"| {r['what']} | {r['numerator']} | {r['denominator']} | {_mmm(r, '.2f')} | {goal} | {met} |")
+        lines.append(f"| {r['what']} | {r['numerator']} | {r['denominator'] or '(itself)'} | {_mmm(r, '.2f')} | {goal} "
+                     f"| {met} |")
     return "\n".join(lines)
 
 

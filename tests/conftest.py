@@ -37,7 +37,7 @@ def zero2_zero3_runs(tiny_pair, tmp_path_factory) -> dict:
 
 
 # Fixtures that launch several processes: a test using one is a multi-process test, marked or not
-MULTI_PROCESS_FIXTURES = {"zero2_zero3_runs", "lora_runs", "bf16_and_fp32_runs", "runs", "smoke"}
+MULTI_PROCESS_FIXTURES = {"zero2_zero3_runs", "lora_runs", "bf16_and_fp32_runs", "runs", "smoke", "step_runs"}
 
 
 def pytest_collection_modifyitems(config, items):

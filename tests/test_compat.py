@@ -16,7 +16,7 @@ def test_installed_versions_are_the_checked_ones():
         assert version(package).startswith(checked), (package, version(package), checked)
 
 
-@pytest.mark.parametrize("owner, hooks", list(compat.OVERRIDDEN_HOOKS.items()))
+@pytest.mark.parametrize("owner, hooks", [*compat.OVERRIDDEN_HOOKS.items(), *compat.RELIED_ON.items()])
 def test_the_hooks_we_override_still_exist(owner, hooks):
     module, name = owner.rsplit(".", 1)
     cls = getattr(importlib.import_module(module), name)

@@ -126,6 +126,25 @@ def test_checkpointing_reduces_activations():
     assert on < off / 4
 
 
+def test_the_once_per_step_teacher_holds_hidden_states_and_its_lm_head(capsys):
+    """Teacher hidden states for every token of the step's micro-batches plus its lm_head, held through the step;
+    TRL's replicated teacher runs per micro-batch (0 here, its logits are in logits_loss)."""
+    student, teacher = specs(vocab=128256)
+    one = plan.estimate(student, teacher, plan.Settings(micro_batch=2, seq_len=4096))
+    eight = plan.estimate(student, teacher, plan.Settings(micro_batch=2, seq_len=4096, gradient_accumulation=8))
+    head, states = teacher.vocab * teacher.hidden * 2, 2 * 4096 * teacher.hidden * 2
+    assert one["teacher_step"] == head + states and eight["teacher_step"] == head + 8 * states
+    assert plan.estimate(student, teacher, plan.Settings(gradient_accumulation=8), teacher="replicated",
+                         chunked=False)["teacher_step"] == 0
+    # the teacher's forward runs over the rows of the step (or teacher_batch_size of them), before the student's
+    capped = plan.Settings(micro_batch=2, seq_len=4096, gradient_accumulation=8, teacher_batch_size=4)
+    assert capped.teacher_rows == 4 and plan.Settings(micro_batch=2, gradient_accumulation=8).teacher_rows == 16
+    plan_main(["--student", "1B", "--teacher", "8B", "--gradient_accumulation", "8", "--teacher_batch_size", "4"])
+    table = capsys.readouterr().out
+    assert "gradient accumulation 8, teacher rows per forward 4" in table
+    assert any(line.startswith("teacher_step") for line in table.splitlines())
+
+
 def test_does_not_fit_flagged_and_recommendation_changes(capsys):
     args = ["--student", str(DOC_CONFIGS / "llama-3.1-8b"), "--teacher", str(DOC_CONFIGS / "llama-3.1-70b"),
             "--nodes", "2", "--gpus_per_node", "8", "--seq_len", "4096", "--micro_batch", "1"]
@@ -149,6 +168,7 @@ def test_help_lists_every_input(capsys):
     assert text.startswith("usage: trl-distill plan")
     for flag in ("--student", "--teacher", "--nodes", "--gpus_per_node", "--gpu_memory_gb", "--dtype", "--micro_batch",
                  "--seq_len", "--optimizer", "--gradient_checkpointing", "--loss_chunk_size", "--json",
+                 "--gradient_accumulation", "--teacher_batch_size",
                  "--student_hidden_size", "--student_layers", "--student_vocab", "--teacher_hidden_size",
                  "--teacher_intermediate_size", "--teacher_kv_heads", "headroom", "12 bytes"):
         assert flag in text, flag

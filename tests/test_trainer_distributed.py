@@ -173,7 +173,9 @@ def test_each_divergence_trains(zero2_zero3_runs):
     """With `loss_chunk_size=3` (several chunks per batch) the teacher's lm_head is gathered once per step.
     This run also sets `use_cpu=True`, which must give the same 2-process DeepSpeed setup."""
     for rec in zero2_zero3_runs["divergences"]:
-        assert rec["lm_head_gathers"] == [1] * len(LOSS_TYPES)  # one call per step; the teacher's head partitioned
+        # one gather of the teacher's (partitioned) head per step; the loss finds it held
+        assert [n for n in rec["lm_head_gathers"] if n] == [1] * len(LOSS_TYPES)
+        assert len(rec["lm_head_gathers"]) == 2 * len(LOSS_TYPES)
         assert rec["world_size"] == 2
         assert rec["divergences_trained"] == list(LOSS_TYPES)
         losses = logged(rec["log_history"])

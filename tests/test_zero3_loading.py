@@ -1,10 +1,17 @@
-"""The partition-wise teacher loader's file reading (its 2-process use: tests/test_trainer_distributed.py)."""
+"""The partition-wise teacher loader: its file reading, and what loading costs each of 2 ranks in memory (its use in
+training: tests/test_trainer_distributed.py)."""
 
+from pathlib import Path
+
+import pytest
 import torch
 from safetensors.torch import save_file
 
-from trl_distill.testing import build_tiny_model, build_tokenizer
-from trl_distill.zero3_loading import _read_flat, loadable, safetensors_index
+from trl_distill import zero3_loading as loading
+from trl_distill.testing import build_tiny_model, build_tokenizer, launch, read_rank_records
+from trl_distill.zero3_loading import _read_flat, _read_into, loadable, safetensors_index
+
+WORKER = Path(__file__).parent / "scripts" / "load_memory_worker.py"
 
 
 def test_index_covers_a_sharded_checkpoint_and_reads_any_flat_range(tmp_path):
@@ -23,13 +30,39 @@ def test_index_covers_a_sharded_checkpoint_and_reads_any_flat_range(tmp_path):
         assert torch.equal(_read_flat(path, entry, start, first, count), flat[first : first + count]), name
 
 
-def test_reads_the_stored_dtype_and_refuses_what_it_cannot_load(tmp_path):
+def test_reads_the_stored_dtype_and_refuses_what_it_cannot_load(tmp_path, monkeypatch):
     values = torch.randn(7, 3).to(torch.bfloat16)
     save_file({"w": values}, str(tmp_path / "model.safetensors"))
     path, entry, start = safetensors_index(str(tmp_path))["w"]
     assert torch.equal(_read_flat(path, entry, start, 4, 10), values.reshape(-1)[4:14])
+    # into a partition of another dtype: converted through a bounded buffer (here 3 values at a time)
+    monkeypatch.setattr(loading, "_CHUNK_BYTES", 6)
+    target = torch.full((10,), float("nan"))
+    assert _read_into(target, path, entry, start, 4) == 20  # bytes read from the file
+    assert torch.equal(target, values.reshape(-1)[4:14].float())
     assert loadable(str(tmp_path), {})
     assert not loadable(str(tmp_path), {"quantization_config": object()})
     assert not loadable("meta-llama/Llama-3.1-8B", {})  # a hub id: from_pretrained downloads and loads it
     (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")
     assert not loadable(str(tmp_path), {})
+
+
+@pytest.mark.distributed
+def test_loading_grows_each_rank_by_its_partitions_only(tmp_path):
+    """2 processes: building and filling the ZeRO-3 teacher grows a rank's memory (peak RSS) by its partitions, not
+    by a whole module on top. DeepSpeed's own zero.Init broadcasts each module whole from rank 0 (the contrast run):
+    the receiving rank's peak then carries the largest module (a 64 MiB embedding) on top of its partitions."""
+    model = build_tiny_model(build_tokenizer(), "teacher", vocab_size=32768, hidden_size=512, intermediate_size=256,
+                             num_hidden_layers=2, num_attention_heads=4)
+    model.save_pretrained(tmp_path / "teacher")
+    runs = {}
+    for mode in ("ours", "broadcast"):
+        launch(WORKER, str(tmp_path / "teacher"), str(tmp_path / mode), *(["broadcast"] if mode == "broadcast" else []),
+               timeout=180)
+        runs[mode] = read_rank_records(tmp_path / mode)
+    for rec in runs["ours"]:
+        assert rec["held"] * 2 >= rec["total"] and rec["largest"] == 64 << 20
+        assert rec["growth"] - rec["held"] <= rec["largest"] / 4, rec  # no whole module on top of the partitions
+    assert max(r["growth"] - r["held"] for r in runs["broadcast"]) >= 0.75 * runs["broadcast"][1]["largest"]
+    # the same values loaded either way, each rank its own half
+    assert [r["checksum"] for r in runs["ours"]] == [r["checksum"] for r in runs["broadcast"]]

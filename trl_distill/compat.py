@@ -17,7 +17,11 @@ CHECKED_AGAINST = {"torch": "2.13", "transformers": "5.24", "trl": "1.16", "acce
 OVERRIDDEN_HOOKS = {
     "transformers.Trainer": ("_build_accelerator_args", "_save_checkpoint", "_set_signature_columns_if_needed"),
     "transformers.TrainingArguments": ("_setup_devices",),
+    "deepspeed.runtime.zero.partition_parameters.Init": ("_zero_init_param", "_convert_to_deepspeed_param"),
 }
+# Public methods whose behaviour we rely on beyond their signature: `get_batch_samples` returns all micro-batches of
+# an optimizer step before the first is trained on (`teacher_step`; transformers 5.24)
+RELIED_ON = {"transformers.Trainer": ("get_batch_samples",)}
 
 
 # ---- accelerate 1.15 ----
@@ -79,18 +83,34 @@ def deepspeed_hidden_from(trainer):
 def partitioned_construction():
     """What transformers' ZeRO-3 `from_config` enters, without the random initialisation it runs afterwards
     (`initialize_weights_zero3` gathers every module whole to initialise it; the checkpoint overwrites it anyway):
-    `no_init_weights`, `prevent_arange_dtype_change`, `zero.Init` with the selected plugin's config, and
-    `set_zero3_state` (inside which `from_config` enters no `zero.Init` of its own and initialises nothing)."""
-    import deepspeed
+    `no_init_weights`, `prevent_arange_dtype_change`, `zero.Init` with the selected plugin's config (less its
+    broadcast, see `_unbroadcast_init`), and `set_zero3_state` (inside which `from_config` enters no `zero.Init` of
+    its own and initialises nothing). Only for weights that are all overwritten afterwards, on every rank."""
     from transformers.initialization import no_init_weights
     from transformers.integrations.deepspeed import deepspeed_config, prevent_arange_dtype_change
     from transformers.modeling_utils import set_zero3_state
 
     stack = contextlib.ExitStack()
     for context in (no_init_weights(), prevent_arange_dtype_change(),
-                    deepspeed.zero.Init(config_dict_or_path=deepspeed_config()), set_zero3_state()):
+                    _unbroadcast_init()(config_dict_or_path=deepspeed_config()), set_zero3_state()):
         stack.enter_context(context)
     return stack
+
+
+def _unbroadcast_init():
+    """`deepspeed.zero.Init` whose `_zero_init_param` (DeepSpeed 0.19.8: make the parameter a ZeRO one, broadcast it
+    whole from rank 0, keep this rank's partition) skips the broadcast. The broadcast writes every module's whole
+    tensor on every other rank; without it the whole tensor is allocated but never written (its pages are never
+    touched), and a rank's memory grows by its partitions only. The partitions hold garbage until
+    `zero3_loading.load_partitioned` fills each from the checkpoint."""
+    import deepspeed
+
+    class UnbroadcastInit(deepspeed.zero.Init):
+        def _zero_init_param(self, param):
+            self._convert_to_deepspeed_param(param)
+            param.partition()
+
+    return UnbroadcastInit
 
 
 # ---- DeepSpeed 0.19.8: the ZeRO-3 attributes of a parameter ----

@@ -42,6 +42,8 @@ class DistillationConfig(SFTConfig):
         ``tvd``. (`loss_type` stays SFT's own field.)
     teacher_cache: train from a cache of the teacher's top-k distribution (`trl-distill cache-teacher`) instead of
         a live teacher.
+    teacher_step_pass, teacher_batch_size: the teacher runs once per optimizer step over all its micro-batches (at
+        most `teacher_batch_size` rows per forward), so a ZeRO-3 teacher is gathered once per step.
     temperature, alpha, beta, skew_alpha, kd_temperature_scaling, loss_chunk_size: see each field's help.
     """
 
@@ -69,6 +71,22 @@ class DistillationConfig(SFTConfig):
             "filled from these arguments, its ZeRO-3 bucket sizes from the teacher's hidden size, and optimizer or "
             "scheduler blocks are dropped. When absent and the student uses DeepSpeed, a ZeRO-3 inference config "
             "is derived, so each rank holds 1/N of the teacher."
+        },
+    )
+    teacher_step_pass: bool = field(
+        default=True,
+        metadata={
+            "help": "Run the teacher once per optimizer step over all its micro-batches (rows batched, padding "
+            "changes no value), keeping only its hidden states at the loss tokens and its lm_head gathered until the "
+            "step's last micro-batch: a ZeRO-3 teacher then gathers each layer once per step, not once per "
+            "micro-batch. False: once per micro-batch. Sampled steps (lmbda, seq_kd) always run per micro-batch."
+        },
+    )
+    teacher_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "At most this many rows per teacher forward in the once-per-step pass (each forward gathers the "
+            "teacher once more). None: all rows of the optimizer step (micro batch x gradient accumulation) at once."
         },
     )
     teacher_cache: str | None = field(
@@ -168,6 +186,8 @@ class DistillationConfig(SFTConfig):
         if isinstance(self.resume_from_checkpoint, str) and self.resume_from_checkpoint.lower() in ("true", "false"):
             # the CLI hands `--resume_from_checkpoint true` over as a string: the API's True (newest checkpoint)
             self.resume_from_checkpoint = True if self.resume_from_checkpoint.lower() == "true" else None
+        if self.teacher_batch_size is not None and self.teacher_batch_size < 1:
+            raise ValueError(f"teacher_batch_size must be a positive integer or None, got {self.teacher_batch_size}.")
         if self.loss_chunk_size is not None and self.loss_chunk_size < 1:
             raise ValueError(f"loss_chunk_size must be a positive integer or None, got {self.loss_chunk_size}.")
         if self.auto_find_batch_size and (self.deepspeed or self.teacher_deepspeed):

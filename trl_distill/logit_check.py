@@ -61,6 +61,10 @@ def _tolerance(own: torch.Tensor, half: bool) -> float:
     return atol + rtol * own.abs().max().item()
 
 
+def _features(features: LossFeatures) -> LossFeatures:
+    return features
+
+
 def _rebuilt(features: LossFeatures) -> torch.Tensor:
     with gathered(*features.head.params):
         return features.head.logits(features.states).float()
@@ -82,7 +86,8 @@ def check_fused_logits(name: str, call, module: nn.Module, inputs: dict, mixed_p
         # its lm_head after a trace without it just re-records; the other order has the lm_head in flight while the
         # rebuild gathers it (deepspeed 0.19.8).
         try:
-            rebuilt = call(**inputs, fused_distillation=_rebuilt)
+            # rebuilt after the forward, as the loss does: the lm_head is gathered for the rebuild, outside it
+            rebuilt = _rebuilt(call(**inputs, fused_distillation=_features))
         except (AttributeError, ValueError, TypeError) as error:
             rebuilt = error
         own = call(**inputs, use_cache=False).logits.float()

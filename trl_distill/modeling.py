@@ -7,7 +7,6 @@ import contextlib
 import functools
 import inspect
 import types
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -99,18 +98,31 @@ def backbone(model: nn.Module) -> nn.Module:
                      f"{', '.join(_BACKBONE_NAMES)} holds it.")
 
 
-@dataclass(frozen=True)
 class LMHead:
     """An lm_head's parameters and the logit transform its config applies after the projection.
 
     Read from the config names the mainstream families use; `trl_distill.logit_check` proves, per model, that
-    `logits` equals the model's own logits before training relies on it.
+    `logits` equals the model's own logits before training relies on it. One made by `of` reads its weight and bias
+    from the model's output layer when they are used, not when it is made: under ZeRO-3, touching a partitioned
+    parameter inside a module's forward gathers it there and ties it to that module's every later forward
+    (DeepSpeed's external parameters, 0.19.8), so a teacher's head is read after its forward, where the loss
+    gathers it once.
     """
 
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    logit_scale: float | None
-    softcap: float | None
+    __slots__ = ("_weight", "_bias", "_module", "logit_scale", "softcap")
+
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None, logit_scale: float | None = None,
+                 softcap: float | None = None, module: nn.Linear | None = None):
+        self._weight, self._bias, self._module = weight, bias, module
+        self.logit_scale, self.softcap = logit_scale, softcap
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._weight if self._module is None else self._module.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self._bias if self._module is None else getattr(self._module, "bias", None)
 
     @classmethod
     def of(cls, model: nn.Module) -> LMHead:
@@ -127,7 +139,7 @@ class LMHead:
             scale = 1.0 / config.logits_scaling  # Granite divides its logits
         if scale is None and getattr(config, "lm_head_multiplier", None) is not None:
             scale = config.lm_head_multiplier
-        return cls(head.weight, getattr(head, "bias", None), scale, getattr(config, "final_logit_softcapping", None))
+        return cls(None, None, scale, getattr(config, "final_logit_softcapping", None), module=head)
 
     @property
     def params(self) -> tuple[torch.Tensor, ...]:

@@ -24,7 +24,7 @@ FP32_GRAD_BYTES = 4  # ZeRO's fp32 copy of its gradient partition, made for the 
 DS_MAX_LIVE_PARAMETERS = 10**9  # DeepSpeed's default stage3_max_live_parameters (our configs leave it unset)
 CHUNK_COPIES = 3  # one chunk of student logits, teacher log-probs and d loss / d logits, all fp32
 ROWS = ("teacher_params", "student_params", "student_grads", "optimizer", "gather_buffers", "activations",
-        "logits_loss")
+        "logits_loss", "teacher_step")
 # The setups compared: name -> (description, options of `estimate`)
 CONFIGS = {
     "ours": ("ZeRO-2 student + ZeRO-3 teacher, chunked loss", dict(student_stage=2, teacher="zero3")),
@@ -69,10 +69,18 @@ class Settings:
     optimizer: str = "adamw"
     gradient_checkpointing: bool = False
     loss_chunk_size: int | None = None
+    gradient_accumulation: int = 1
+    teacher_batch_size: int | None = None  # rows per teacher forward in the once-per-step pass; None: all of them
 
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def teacher_rows(self) -> int:
+        """Rows the teacher runs at once: every row of the optimizer step, or `teacher_batch_size` of them."""
+        rows = self.micro_batch * self.gradient_accumulation
+        return min(self.teacher_batch_size or rows, rows)
 
     @property
     def budget(self) -> int:
@@ -162,9 +170,11 @@ def layer_activations(spec: ModelSpec, tokens: int) -> int:
     return tokens * (4 * spec.hidden + 2 * q + 2 * kv + 4 * spec.intermediate)
 
 
-def activation_bytes(student: ModelSpec, teacher: ModelSpec, s: Settings) -> int:
+def activation_bytes(student: ModelSpec, teacher: ModelSpec, s: Settings, step_pass: bool = True) -> int:
     """Student activations (all layers, or with checkpointing each layer's input plus one recomputed layer), or
-    the frozen teacher's one-layer working set if larger, plus the teacher's last hidden states kept for the loss."""
+    the frozen teacher's one-layer working set if larger: over the rows it runs at once (`Settings.teacher_rows`)
+    with the once-per-step pass, which runs before the student's forward; over one micro-batch otherwise (then with
+    the teacher's last hidden states for the micro-batch's loss; the pass keeps those in `teacher_step_bytes`)."""
     tokens = s.micro_batch * s.seq_len
     per_layer = layer_activations(student, tokens)
     if s.gradient_checkpointing:
@@ -172,7 +182,17 @@ def activation_bytes(student: ModelSpec, teacher: ModelSpec, s: Settings) -> int
     else:
         kept = student.layers * per_layer
     kept += 2 * tokens * student.hidden  # embedding output, final norm output (the loss's input)
+    if step_pass:
+        return max(kept, layer_activations(teacher, s.teacher_rows * s.seq_len)) * DTYPE_BYTES[s.dtype]
     return (max(kept, layer_activations(teacher, tokens)) + tokens * teacher.hidden) * DTYPE_BYTES[s.dtype]
+
+
+def teacher_step_bytes(teacher: ModelSpec, s: Settings) -> int:
+    """What the once-per-step teacher pass holds while the student trains on the step's micro-batches: the
+    teacher's last hidden states at every loss token of the step (at most every token of every micro-batch) and its
+    lm_head, gathered once for the step (`trl_distill.teacher_step`)."""
+    tokens = s.gradient_accumulation * s.micro_batch * s.seq_len
+    return (tokens * teacher.hidden + teacher.vocab * teacher.hidden) * DTYPE_BYTES[s.dtype]
 
 
 def chunk_rows(student: ModelSpec, s: Settings) -> int:
@@ -204,8 +224,10 @@ def estimate(student: ModelSpec, teacher_spec: ModelSpec, s: Settings, student_s
     rows["optimizer"] = 0 if offload_opt else shard * OPTIMIZER_BYTES[s.optimizer]
     gathered = zero3_gathered(teacher_spec) if teacher != "replicated" else 0
     rows["gather_buffers"] = (gathered + (zero3_gathered(student) if student_stage == 3 else 0)) * b
-    rows["activations"] = activation_bytes(student, teacher_spec, s)
+    step_pass = teacher != "replicated"  # TRL runs its teacher per micro-batch
+    rows["activations"] = activation_bytes(student, teacher_spec, s, step_pass)
     rows["logits_loss"] = logits_bytes(student, s, chunked)
+    rows["teacher_step"] = teacher_step_bytes(teacher_spec, s) if step_pass else 0
     return rows
 
 
@@ -279,7 +301,7 @@ def plan(student: ModelSpec, teacher: ModelSpec, s: Settings, deepspeed_check: b
     models = {role: {k: v for k, v in asdict(spec).items() if k != "numels"}
               for role, spec in (("student", student), ("teacher", teacher))}
     return {"settings": asdict(s), "gpus": s.gpus, "budget": s.budget, "headroom": HEADROOM, "models": models,
-            "chunk_rows": chunk_rows(student, s), "configs": setups,
+            "chunk_rows": chunk_rows(student, s), "teacher_rows": s.teacher_rows, "configs": setups,
             "recommendation": recommend(student, teacher, s, setups)}
 
 
@@ -301,7 +323,8 @@ def format_plan(result: dict) -> str:
         f"Per-GPU memory ({unit}), {s['nodes']} node(s) x {s['gpus_per_node']} GPUs x {s['gpu_memory_gb']:g} GiB; "
         f"budget {result['budget'] / GIB:.2f} GiB after {result['headroom']:.0%} headroom",
         f"{s['dtype']}, micro batch {s['micro_batch']}, seq {s['seq_len']}, {s['optimizer']}, gradient checkpointing "
-        f"{'on' if s['gradient_checkpointing'] else 'off'}, loss chunk {result['chunk_rows']} rows",
+        f"{'on' if s['gradient_checkpointing'] else 'off'}, loss chunk {result['chunk_rows']} rows, gradient "
+        f"accumulation {s['gradient_accumulation']}, teacher rows per forward {result['teacher_rows']}",
         *(f"{role}: {m['params'] / 1e9:.3f}B params, h={m['hidden']}, L={m['layers']}, V={m['vocab']}, "
           f"i={m['intermediate']} ({m['source']})" for role, m in result["models"].items()),
         "",
@@ -313,7 +336,9 @@ def format_plan(result: dict) -> str:
     if all("deepspeed" in x for x in setups.values()):
         ds = [sum(x["deepspeed"].values()) for x in setups.values()]
         lines.append(_row("deepspeed model states", ds, size))
-    lines += ["", *(f"  {name}: {x['description']}" for name, x in setups.items()), ""]
+    lines += ["", *(f"  {name}: {x['description']}" for name, x in setups.items()),
+              "  (teacher_step: the teacher's hidden states at the step's loss tokens and its lm_head, held through "
+              "each optimizer step: the teacher runs once per step)", ""]
     return "\n".join(lines + [recommendation_text(result)])
 
 

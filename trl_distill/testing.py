@@ -206,3 +206,29 @@ def tiny_run_settings(**overrides) -> dict:
     )
     settings.update(overrides)
     return settings
+
+
+def tokenized_with_unlabelled_batches(tokenizer, dataset: Dataset, every: int = 3):
+    """``(data, collate)`` for a `Trainer`-style run over a prompt–completion `dataset`: rows of uneven length
+    (right-padded per batch), labels on the completion; every `every`-th batch the collator builds has no loss
+    token at all. The collator counts its calls (`collate.calls`), so two runs that build the same batches in the
+    same order get the same unlabelled ones."""
+
+    def tokenize(row):
+        prompt, completion = tokenizer(row["prompt"])["input_ids"], tokenizer(row["completion"])["input_ids"]
+        return {"input_ids": prompt + completion, "labels": [-100] * len(prompt) + completion}
+
+    def collate(rows):
+        collate.calls += 1
+        width = max(len(r["input_ids"]) for r in rows)
+        ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+        labels, mask = torch.full_like(ids, -100), torch.zeros_like(ids)
+        for i, row in enumerate(rows):
+            n = len(row["input_ids"])
+            ids[i, :n], mask[i, :n] = torch.tensor(row["input_ids"]), 1
+            if collate.calls % every:
+                labels[i, :n] = torch.tensor(row["labels"])
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    collate.calls = 0
+    return dataset.map(tokenize, remove_columns=dataset.column_names), collate

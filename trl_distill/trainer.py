@@ -24,6 +24,7 @@ from .modeling import LossFeatures, add_fused_distillation_forward, gathered
 from .on_policy import CompletionSampler, refuse_zero3_student_sampling
 from .sparse_losses import SparseSignalChunks
 from .teacher import SELF, STUDENT, TEACHER, SelfTeacher, Teacher, resolve_teacher
+from .teacher_step import TeacherRows, TeacherStepPass, loss_tokens
 from .validation import (
     check_dataset_not_empty,
     check_output_dir,
@@ -129,6 +130,7 @@ class DistillationTrainer(SFTTrainer):
         compat.count_items_over_shifted_labels(self)
         self._distill_sums = {"kd_loss": 0.0, "ce_loss": 0.0}
         self.sampler = CompletionSampler(self)  # on-policy / sequence-level completions (lmbda, seq_kd)
+        self.teacher_step = TeacherStepPass(self)  # the teacher once per optimizer step (`teacher_step_pass`)
         self._distill_last_logged_step = 0
         self._logit_paths = None  # settled on the first batch (`_settle_logit_paths`)
         self.add_callback(_LogStepSync(self))
@@ -219,6 +221,14 @@ class DistillationTrainer(SFTTrainer):
         with compat.deepspeed_hidden_from(self):
             return super().evaluation_loop(*args, **kwargs)
 
+    # ---- The teacher once per optimizer step, over all its micro-batches (`trl_distill.teacher_step`) ----
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self.teacher_step.applies(batch_samples):  # (the training loop is the only caller, in transformers 5.24)
+            self.teacher_step.run(batch_samples)
+        return batch_samples, num_items_in_batch
+
     # ---- On-policy / sequence-level KD: completions sampled by the student or the teacher ----
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -232,25 +242,24 @@ class DistillationTrainer(SFTTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """``alpha * KD + (1 - alpha) * CE`` over completion tokens, normalised like the HF Trainer's loss."""
         args = self.args
-        labels = inputs["labels"]
         cached = pop_signal(inputs)
         model_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
-        target = inputs["shift_labels"] if "shift_labels" in inputs else labels[:, 1:]
-        mask = target != -100
+        target, mask = loss_tokens(inputs)
         # Sequence positions with a loss token in some row: the only ones either model projects (position t
         # predicts target t); the selected rows keep the (row, position) order on every path.
         keep = mask.any(0).nonzero().squeeze(1)
         mask, target = mask[:, keep], target[:, keep]
         if self._logit_paths is None:
             self._settle_logit_paths(model, model_inputs, mask)
-        teacher = None
-        if cached is None:  # else the teacher's top-k comes from the cache; no teacher runs
+        teacher = self.teacher_step.take(inputs) if self.model.training else None  # computed ahead for the step
+        if cached is None and teacher is None:  # (a cache: the teacher's top-k comes from it; no teacher runs)
             # Every rank runs every teacher forward, even with no loss token: ZeRO-3 gathers are collective.
             teacher = self.teacher.features(model_inputs, keep)
             check_teacher_finite(teacher.states, self.accelerator, self.state.global_step + 1)
         loss_fn = partial(self._fused_loss, teacher=teacher, cached=cached, target=target, mask=mask,
                           num_items_in_batch=num_items_in_batch)
         kd, ce = model(**model_inputs, fused_distillation=loss_fn, loss_positions=keep)
+        self.teacher_step.after_loss()
         if args.kd_temperature_scaling:
             kd = kd * args.temperature**2
         loss = args.alpha * kd + (1.0 - args.alpha) * ce
@@ -290,9 +299,13 @@ class DistillationTrainer(SFTTrainer):
             if cached is not None:
                 signal = SparseSignalChunks(cached, len(labels), settings.vocab_size)
             else:
-                t_flat = teacher.states.detach().reshape(-1, teacher.states.shape[-1])
-                signal = DenseTeacherSignal(t_flat.index_select(0, rows), teacher.head, settings.vocab_size,
-                                            settings.temperature)
+                if isinstance(teacher, TeacherRows):  # computed ahead, at exactly these rows
+                    t_rows = teacher.states
+                else:
+                    t_rows = teacher.states.reshape(-1, teacher.states.shape[-1]).index_select(0, rows)
+                if t_rows.shape[0] != len(labels):
+                    raise RuntimeError(f"The teacher has {t_rows.shape[0]} loss rows, the student {len(labels)}.")
+                signal = DenseTeacherSignal(t_rows.detach(), teacher.head, settings.vocab_size, settings.temperature)
             return fused_loss(s_flat, student.head, signal, settings, rows, labels, num_items_in_batch)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -343,3 +356,6 @@ class _LogStepSync(TrainerCallback):
         trainer._engine_configs_printed = True
         trainer._distill_last_logged_step = state.global_step
         trainer._distill_sums = dict.fromkeys(trainer._distill_sums, 0.0)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer.teacher_step.release()  # nothing computed ahead outlives training (nor the held lm_head)

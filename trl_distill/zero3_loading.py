@@ -2,9 +2,11 @@
 
 transformers' ZeRO-3 `from_pretrained` (5.24) maps the whole checkpoint on rank 0 and gathers every module whole on
 every rank to copy it in, so loading peaks well above the 1/N a rank keeps. Here the model is built partitioned
-(`from_config` under the teacher's ZeRO-3 plugin: `zero.Init`), then every parameter's partition is filled with
-``os.pread`` from its byte range in the ``.safetensors`` files: a rank reads 1/N of the checkpoint and never holds
-more than its partition plus one module during the (random) initialisation transformers runs.
+(`from_config` under the teacher's ZeRO-3 plugin: `zero.Init`, with no random initialisation and no broadcast, see
+`compat.partitioned_construction`), then every parameter's partition is filled with ``os.pread`` from its byte range
+in the ``.safetensors`` files, straight into the partition's memory: a rank reads 1/N of the checkpoint and its
+memory grows by its partitions only (plus a 16 MiB buffer where the file's dtype differs from the model's). Each
+module's whole tensor is still allocated while it is built, but never written, so its pages are never touched.
 
 Used when the teacher is a local directory of safetensors whose tensor names and shapes are exactly the model's
 parameters (the usual `save_pretrained` output); anything else (hub ids, ``.bin``, renamed or converted weights,
@@ -54,23 +56,50 @@ def safetensors_index(directory: str) -> dict[str, tuple[str, dict, int]] | None
     return entries
 
 
-def _read_flat(path: str, entry: dict, data_start: int, first: int, count: int) -> torch.Tensor:
-    """Elements ``[first, first + count)`` of a tensor stored row-major in a safetensors file, read with pread."""
+_CHUNK_BYTES = 16 << 20  # what a conversion between the file's and the model's dtype reads at a time
+
+
+def _read_into(target: torch.Tensor, path: str, entry: dict, data_start: int, first: int) -> int:
+    """Fill the contiguous 1-D `target` with elements ``[first, first + target.numel())`` of a tensor stored
+    row-major in a safetensors file, read with pread straight into `target`'s memory (or, when the file holds another
+    dtype, through a buffer of at most `_CHUNK_BYTES`). Returns the bytes read from the file."""
     dtype = _DTYPES[entry["dtype"]]
     itemsize = torch.empty((), dtype=dtype).element_size()
     begin = data_start + entry["data_offsets"][0] + first * itemsize
-    buffer = bytearray(count * itemsize)
     fd = os.open(path, os.O_RDONLY)
     try:
-        view, done = memoryview(buffer), 0
-        while done < len(buffer):
-            n = os.preadv(fd, [view[done:]], begin + done)
-            if n <= 0:
-                raise OSError(f"{path}: short read at byte {begin + done}")
-            done += n
+        if target.dtype == dtype:
+            _pread_exact(fd, _bytes_of(target), begin, path)
+        else:
+            step = max(1, _CHUNK_BYTES // itemsize)
+            for start in range(0, target.numel(), step):
+                chunk = torch.empty(min(step, target.numel() - start), dtype=dtype)
+                _pread_exact(fd, _bytes_of(chunk), begin + start * itemsize, path)
+                target[start : start + chunk.numel()].copy_(chunk)
     finally:
         os.close(fd)
-    return torch.frombuffer(buffer, dtype=dtype) if count else torch.empty(0, dtype=dtype)
+    return target.numel() * itemsize
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory."""
+    return memoryview(tensor.view(torch.uint8).numpy()) if tensor.numel() else memoryview(bytearray())
+
+
+def _pread_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(f"{path}: short read at byte {offset + done}")
+        done += n
+
+
+def _read_flat(path: str, entry: dict, data_start: int, first: int, count: int) -> torch.Tensor:
+    """Elements ``[first, first + count)`` of a tensor stored row-major in a safetensors file, as a new tensor."""
+    values = torch.empty(count, dtype=_DTYPES[entry["dtype"]])
+    _read_into(values, path, entry, data_start, first)
+    return values
 
 
 def loadable(directory: str, init_kwargs: dict) -> bool:
@@ -107,8 +136,7 @@ def load_partitioned(directory: str, init_kwargs: dict):
         for name, param in params.items():
             part, first, count = zero3_partition(param)
             path, entry, start = entries[name]
-            values = _read_flat(path, entry, start, first, count)
-            part[:count].copy_(values.to(part.dtype))
+            _read_into(part[:count], path, entry, start, first)  # into the partition itself: no second copy
             part[count:].zero_()
         buffers = dict(model.named_buffers())
         for name, buffer in buffers.items():  # persistent buffers in the checkpoint (not partitioned by ZeRO-3)

@@ -79,18 +79,19 @@ class CycleDivergence(TrainerCallback):
 
 
 def count_lm_head_gathers(rec):
-    """Record, per call of the trainer's lm_head gather, how many of the given parameters are ZeRO-3 partitioned."""
+    """Record, per call of an lm_head gather (the loss's, and the once-per-step teacher pass's), how many of the
+    given parameters are ZeRO-3 partitioned (0: nothing to gather, e.g. the teacher's head already held)."""
+    import trl_distill.teacher_step as step_module
     import trl_distill.trainer as trainer_module
     from trl_distill.compat import is_zero3_partitioned
 
-    original = trainer_module.gathered
     rec["lm_head_gathers"] = []
+    for module in (trainer_module, step_module):
+        def counting(*params, original=module.gathered):
+            rec["lm_head_gathers"].append(sum(is_zero3_partitioned(p) for p in params))
+            return original(*params)
 
-    def counting(*params):
-        rec["lm_head_gathers"].append(sum(is_zero3_partitioned(p) for p in params))
-        return original(*params)
-
-    trainer_module.gathered = counting
+        module.gathered = counting
 
 
 def record_teacher_load(trainer, rec):
@@ -98,20 +99,19 @@ def record_teacher_load(trainer, rec):
     is already partitioned, so no rank ever held all of it."""
     import trl_distill.zero3_loading as loading
 
-    load, read = trainer.teacher._load, loading._read_flat
+    load, read = trainer.teacher._load, loading._read_into
     bytes_read = []
 
-    def counting_read(path, entry, data_start, first, count):
-        values = read(path, entry, data_start, first, count)
-        bytes_read.append(values.numel() * values.element_size())
-        return values
+    def counting_read(target, *args):
+        bytes_read.append(read(target, *args))
+        return bytes_read[-1]
 
     def recording_load():
-        loading._read_flat = counting_read
+        loading._read_into = counting_read
         try:
             model = load()
         finally:
-            loading._read_flat = read
+            loading._read_into = read
         rec["teacher_at_load"] = {
             "zero3_flag": is_deepspeed_zero3_enabled(),
             "all_partitioned": all(hasattr(p, "ds_id") for p in model.parameters()),

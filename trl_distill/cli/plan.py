@@ -42,10 +42,16 @@ class PlanArguments:
     loss_chunk_size: int | None = field(default=None, metadata={
         "help": "Completion tokens per loss chunk (default: as the trainer picks it, so one chunk of fp32 logits is "
                 "~128 MiB).", "metavar": "N"})
+    gradient_accumulation: int = field(default=1, metadata={
+        "help": "Micro-batches per optimizer step (default: 1). The teacher runs once per step over all of them "
+                "and holds its hidden states at their loss tokens, and its lm_head, through the step."})
+    teacher_batch_size: int | None = field(default=None, metadata={
+        "help": "Rows per teacher forward in that pass (default: all rows of the step).", "metavar": "N"})
     json: bool = field(default=False, metadata={"help": "Print the plan as JSON (sizes in bytes) instead of a table."})
 
     def __post_init__(self):
-        for name in ("nodes", "gpus_per_node", "gpu_memory_gb", "micro_batch", "seq_len", "loss_chunk_size"):
+        for name in ("nodes", "gpus_per_node", "gpu_memory_gb", "micro_batch", "seq_len", "loss_chunk_size",
+                     "gradient_accumulation", "teacher_batch_size"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"--{name} must be > 0, got {value}.")

@@ -1,0 +1,184 @@
+"""The teacher once per optimizer step: one forward over every micro-batch of the step, not one per micro-batch.
+
+The Trainer fetches all micro-batches of an optimizer step before it trains on the first
+(`Trainer.get_batch_samples`). `TeacherStepPass` then runs the frozen teacher over their rows together (right-padded
+to one length, at most `teacher_batch_size` rows per forward), so a ZeRO-3 teacher gathers each layer once per step
+instead of once per micro-batch. Until each micro-batch's turn it keeps only what that micro-batch's loss reads: the
+teacher's last hidden states (or, on the exact path, its own logits) at the micro-batch's loss tokens. The teacher's
+lm_head is gathered once, after the forward, and held until the step's last micro-batch has its loss.
+
+Right padding changes no value a loss token sees: attention is causal, so no position attends to the padding after
+it, and the attention mask, where there is one, masks it too. Steps whose completions are sampled (`lmbda`,
+`seq_kd`: the teacher must see the sampled rows), batches that are not plain ``[rows, length]`` token tensors
+(padding-free batches carry sequence boundaries), the 'self' teacher and the teacher cache keep the per-micro-batch
+path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections import deque
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from . import compat
+from .modeling import LMHead, gathered
+from .on_policy import DATASET, completion_source
+from .teacher import Teacher
+from .validation import check_teacher_finite
+
+logger = logging.getLogger(__name__)
+
+LABEL_KEYS = ("labels", "shift_labels")
+# Model inputs that are one value per token and can be right-padded: what the step pass batches
+ROW_INPUTS = {"input_ids": None, "attention_mask": 0, "token_type_ids": 0, "position_ids": None}
+
+
+class TeacherRows(NamedTuple):
+    """The teacher's features at one micro-batch's loss tokens, computed ahead: ``states`` ``[n, F]`` in (row,
+    position) order, the order `losses.select_loss_rows` picks the student's; ``head`` as in `LossFeatures`."""
+
+    states: torch.Tensor
+    head: LMHead | None
+
+
+def loss_tokens(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(target, mask)`` ``[B, T']``: the token each position predicts (the shifted labels) and where it is a loss
+    token. Position t predicts ``target[:, t]``."""
+    target = inputs["shift_labels"] if "shift_labels" in inputs else inputs["labels"][:, 1:]
+    return target, target != -100
+
+
+def plain_rows(batch_samples: list[dict]) -> str | None:
+    """None when every micro-batch holds the same plain ``[rows, length]`` token tensors (and labels); else why not."""
+    keys = set(batch_samples[0])
+    extra = sorted(keys - set(ROW_INPUTS) - set(LABEL_KEYS))
+    if extra or "input_ids" not in keys or "labels" not in keys:
+        return f"the batches carry {', '.join(extra) or 'no input_ids/labels'}"
+    for batch in batch_samples:
+        shape = batch["input_ids"].shape
+        if set(batch) != keys or any(not isinstance(v, torch.Tensor) or v.shape != shape for v in batch.values()):
+            return "the micro-batches' tensors differ in keys or shape"
+    return None
+
+
+def right_padded(batches: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """The model inputs of all `batches`, right-padded to the longest and stacked row-wise. Position ids go on
+    counting into the padding; input ids get `pad_id`; masks and token types 0."""
+    width = max(b["input_ids"].shape[1] for b in batches)
+    out = {}
+    for key, fill in ROW_INPUTS.items():
+        if key not in batches[0]:
+            continue
+        parts = []
+        for batch in batches:
+            value = batch[key]
+            extra = width - value.shape[1]
+            if extra and key == "position_ids":
+                value = torch.cat([value, value[:, -1:] + torch.arange(1, extra + 1, device=value.device)], 1)
+            elif extra:
+                value = F.pad(value, (0, extra), value=pad_id if fill is None else fill)
+            parts.append(value)
+        out[key] = torch.cat(parts)
+    return out
+
+
+class TeacherStepPass:
+    """Runs a `DistillationTrainer`'s teacher once per optimizer step and hands each micro-batch its rows."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.queue: deque[tuple[torch.Tensor, TeacherRows]] = deque()
+        self._held = contextlib.ExitStack()  # the teacher's lm_head, gathered for the step
+        self._told = False
+        self.forwards = 0  # teacher forwards run ahead (for the logs of a test or a benchmark)
+
+    def applies(self, batch_samples: list[dict]) -> bool:
+        """Whether this step's teacher runs ahead. The same on every rank: the teacher's collectives must match."""
+        trainer, args = self.trainer, self.trainer.args
+        if not (args.teacher_step_pass and batch_samples and isinstance(trainer.teacher, Teacher)):
+            return False
+        if completion_source(args.lmbda, args.seq_kd, args.seed, trainer.state.global_step) != DATASET:
+            return False  # sampled completions: the teacher runs on them, micro-batch by micro-batch
+        why = plain_rows(batch_samples)
+        if why is not None and not self._told and trainer.accelerator.is_main_process:
+            logger.warning("trl_distill: the teacher runs once per micro-batch, not once per optimizer step: %s "
+                           "(padding-free or custom inputs), which are not plain [rows, length] tensors.", why)
+        self._told = self._told or why is not None
+        return why is None
+
+    @torch.no_grad()
+    def run(self, batch_samples: list[dict]) -> None:
+        """The teacher over every micro-batch of the step; queues each micro-batch's `TeacherRows`. Collective."""
+        self.release()
+        trainer = self.trainer
+        batches = [compat.prepare_inputs(trainer, b) for b in batch_samples]
+        masks = [loss_tokens(b)[1] for b in batches]
+        if trainer._logit_paths is None:  # which path each model's logits take: settled before the first forward
+            first = {k: v for k, v in batches[0].items() if k not in LABEL_KEYS}
+            trainer._settle_logit_paths(trainer.model_wrapped, first, masks[0][:, masks[0].any(0)])
+        tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+        rows = right_padded(batches, getattr(tokenizer, "pad_token_id", None) or 0)
+        width = rows["input_ids"].shape[1]
+        wanted = torch.cat([F.pad(m, (0, width - m.shape[1])) for m in masks])  # [R, width]: loss tokens
+        positions = wanted.any(0).nonzero().squeeze(1)  # every position with a loss token in some row
+        wanted = wanted[:, positions]
+        total = wanted.shape[0]
+        size = min(trainer.args.teacher_batch_size or total, total)
+        picked, head = [], None
+        for start in range(0, size * self._forward_count(math.ceil(total / size)), size):
+            stop = min(start + size, total)
+            if start >= total:  # this rank has run out of rows; its peers' gathers still need it: one idle row
+                trainer.teacher.features({k: v[:1] for k, v in rows.items()}, positions[:0])
+                continue
+            features = trainer.teacher.features({k: v[start:stop] for k, v in rows.items()}, positions)
+            picked.append(features.states[wanted[start:stop]])  # [n, F], (row, position) order
+            head = features.head
+            self.forwards += 1
+        states = torch.cat(picked)
+        check_teacher_finite(states, trainer.accelerator, trainer.state.global_step + 1)
+        for batch, part in zip(batches, states.split([int(m.sum()) for m in masks])):
+            self.queue.append((batch["input_ids"], TeacherRows(part, head)))
+        if head is not None:  # gathered once for the whole step (a no-op for a head that is not partitioned)
+            self._held.enter_context(gathered(*head.params))
+
+    def _forward_count(self, mine: int) -> int:
+        """Forwards every rank runs: the most any rank needs (a partitioned teacher's gathers are collective)."""
+        accelerator = self.trainer.accelerator
+        if accelerator.num_processes == 1 or self.trainer.args.teacher_batch_size is None:
+            return mine  # one forward per step on every rank
+        counts = accelerator.gather(torch.tensor([mine], device=self.trainer.args.device))
+        return int(counts.max())
+
+    def take(self, inputs: dict) -> TeacherRows | None:
+        """This micro-batch's teacher rows, computed ahead; None when the step ran no pass (the live path)."""
+        if not self.queue:
+            return None
+        ids, rows = self.queue.popleft()
+        if ids.shape != inputs["input_ids"].shape or not torch.equal(ids, inputs["input_ids"].to(ids.device)):
+            self.release()
+            raise RuntimeError(
+                "The teacher's rows computed ahead for this optimizer step "
+                "do not belong to the micro-batch being trained: the training loop does not train on the "
+                "micro-batches `get_batch_samples` returned, in order. Set teacher_step_pass=False "
+                "(--teacher_step_pass false) to run the teacher per micro-batch."
+            )
+        return rows
+
+    def after_loss(self) -> None:
+        """Called after each micro-batch's loss: the step's last one releases the held lm_head."""
+        if not self.queue:
+            self._release_head()
+
+    def release(self) -> None:
+        """Drop anything computed ahead and release the held lm_head (the end of training, a new step)."""
+        self.queue.clear()
+        self._release_head()
+
+    def _release_head(self) -> None:
+        self._held.close()
+        self._held = contextlib.ExitStack()
