@@ -5,7 +5,8 @@
 Contenders (``spec["trainer"]``):
 
 * ``ours``: `trl_distill.DistillationTrainer` (``alpha=1``: pure forward KL at T=1), student DeepSpeed config
-  ``spec["deepspeed"]`` (or none), teacher ZeRO-3 derived by the trainer.
+  ``spec["deepspeed"]`` (or none), teacher ZeRO-3 derived by the trainer; ``ours_per_micro_batch``: the same with
+  ``teacher_step_pass=False`` (the teacher once per micro-batch, as before issue 17).
 * ``gkd``: `trl.experimental.gkd.GKDTrainer` with ``lmbda=0, beta=0, seq_kd=False`` (off-policy forward KL), the
   same student DeepSpeed config (TRL then prepares the teacher itself: stage 0 beside a ZeRO-2 student, ZeRO-3
   beside a ZeRO-3 one).
@@ -107,7 +108,8 @@ def run_ours(spec: dict, rec: dict, data, tokenizer) -> list[float]:
     from trl_distill import DistillationConfig, DistillationTrainer
 
     args = DistillationConfig(
-        **common_args(spec), alpha=1.0, temperature=1.0, divergence="forward_kl", assistant_only_loss=False
+        **common_args(spec), alpha=1.0, temperature=1.0, divergence="forward_kl", assistant_only_loss=False,
+        teacher_step_pass=spec["trainer"] != "ours_per_micro_batch",
     )
     probe(rec, "before_trainer")
     trainer = DistillationTrainer(
@@ -192,7 +194,7 @@ def run_bare(spec: dict, rec: dict, data, tokenizer) -> list[float]:
     return ends
 
 
-RUNNERS = {"ours": run_ours, "gkd": run_gkd, "bare": run_bare}
+RUNNERS = {"ours": run_ours, "ours_per_micro_batch": run_ours, "gkd": run_gkd, "bare": run_bare}
 
 
 def main() -> None:
