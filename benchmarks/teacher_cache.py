@@ -1,16 +1,18 @@
-"""The teacher cache vs the online ZeRO-3 teacher, measured in one run (`make bench-cache`, ~6 min on 2 idle cores).
+"""The teacher cache vs the online ZeRO-3 teacher, measured in one run (`make bench-cache`, ~11 min on 2 idle cores).
 
     python benchmarks/teacher_cache.py [--output_dir benchmarks/results] [--work_dir outputs/bench_cache] [--smoke]
 
 1. The quickstart's models: a tokenizer and a teacher trained on the bundled corpus, an untrained student.
-2. `trl-distill cache-teacher` on 2 processes (ZeRO-3 teacher) with k = 8, 64 and 256 (float32 log-probs) and
-   k = 64 in float16: bytes per loss token on disk and the wall time of each.
+2. `trl-distill cache-teacher` on 2 processes (ZeRO-3 teacher) with k = 8, 64 and 256, each in the packed 7bit
+   encoding (the default) and with float32 log-probs, and k = 64 in float16: bytes per loss token on disk (measured
+   at this vocabulary, and computed for a 128k one with `cache.packing.bytes_per_token`) and the wall time of each.
 3. The quickstart's distillation recipe on 2 processes (ZeRO-2 student, forward KL, alpha 1, T 1): with the live
-   ZeRO-3 teacher, then from each float32 cache. Step time: the median over the steps after the first 5, and the
-   wall time of `train()` (the live teacher's includes loading it). The runs alternate (online, caches, online
-   again), and each cache run is compared with the median of the two online ones.
+   ZeRO-3 teacher, then from each float32 cache and the packed k = 64 one. Step time: the median over the steps
+   after the first 5, and the wall time of `train()` (the live teacher's includes loading it). The runs alternate
+   (online, caches, online again), and each cache run is compared with the median of the two online ones.
 4. Held-out quality on the corpus' held-out topics (the quickstart's `compare`): each student's cross-entropy,
-   KL(teacher‖student) and top-1 agreement, and the gap of the cached students to the online (dense) one.
+   KL(teacher‖student) and top-1 agreement, and the gap of the cached students to the online (dense) one; the
+   packed cache's student also against the float32 cache's of the same k (same seed, same steps).
 
 Writes `teacher_cache.json` and `teacher_cache.md` to --output_dir, and the table into README.md between
 ``<!-- bench:cache:start -->`` and ``<!-- bench:cache:end -->``.
@@ -35,6 +37,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 from _common import machine, replace_readme_block  # noqa: E402
 from quickstart import CORPUS, compare, teach_teacher  # noqa: E402
 
+from trl_distill.cache.packing import bytes_per_token  # noqa: E402
 from trl_distill.testing import launch  # noqa: E402
 
 WARMUP = 5
@@ -93,12 +96,16 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer, teacher, _ = teach_teacher(str(work), teacher_steps, corpus["train"])
     teacher.eval()
     heldout = corpus["heldout"]["text"][:8] if args.smoke else corpus["heldout"]["text"]
-    plans = [("k8", 8, "float32")] if args.smoke else [("k8", 8, "float32"), ("k64", 64, "float32"),
-                                                       ("k256", 256, "float32"), ("k64_fp16", 64, "float16")]
+    plans = [("k8", 8, "float32"), ("k8_7bit", 8, "7bit")] if args.smoke else [
+        (f"k{k}{suffix}", k, dtype) for k in (8, 64, 256) for suffix, dtype in (("", "float32"), ("_7bit", "7bit"))
+    ] + [("k64_fp16", 64, "float16")]
     caches = [cache_teacher(work, name, k, dtype, steps) for name, k, dtype in plans]
+    for cache in caches:
+        cache["bytes_per_token_128k"] = bytes_per_token(cache["k"], 128256, cache["dtype"])
     online_flags = ["--teacher_model_name_or_path", str(work / "teacher")]
+    trained = [c for c in caches if c["dtype"] == "float32" or c["name"] in ("k64_7bit", "k8_7bit")]
     runs = [train(work, "online", steps, online_flags)]
-    runs += [train(work, c["name"], steps, ["--teacher_cache", c["dir"]]) for c in caches if c["dtype"] == "float32"]
+    runs += [train(work, c["name"], steps, ["--teacher_cache", c["dir"]]) for c in trained]
     runs.append(train(work, "online_again", steps, online_flags))
     for run in runs:
         student = AutoModelForCausalLM.from_pretrained(run.pop("dir")).eval()
@@ -110,6 +117,12 @@ def main(argv: list[str] | None = None) -> None:
         run["train_time_vs_online"] = run["train_seconds"] / base["train_seconds"]
         run["gap_to_online"] = {key: run["heldout"][key] - online[0]["heldout"][key]
                                 for key in ("student_ce", "kl_to_teacher", "top1_agreement")}
+    by_name = {run["name"]: run for run in runs}
+    for run in runs:  # a packed cache's student against the float32 cache's of the same k
+        exact = by_name.get(run["name"].removesuffix("_7bit"))
+        if run["name"].endswith("_7bit") and exact is not None:
+            run["vs_float32_cache"] = {"student_ce": run["heldout"]["student_ce"] - exact["heldout"]["student_ce"],
+                                       "step_time": run["step_seconds"] / exact["step_seconds"]}
     report = {"steps": steps, "warmup_steps": WARMUP, "caches": caches, "runs": runs, "machine": machine(),
               "seconds": time.time() - begin}
     out.mkdir(parents=True, exist_ok=True)
@@ -122,15 +135,18 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def markdown(report: dict) -> str:
-    lines = ["| cache | bytes per loss token | cache-teacher wall s |", "|---|---|---|"]
-    lines += [f"| k={c['k']}, {c['dtype']} | {c['bytes_per_token']:.0f} | {c['seconds']:.0f} |"
-              for c in report["caches"]]
+    lines = ["| cache | bytes per loss token (measured, this vocabulary) | computed, 128k vocabulary | "
+             "cache-teacher wall s |", "|---|---|---|---|"]
+    lines += [f"| k={c['k']}, {c['dtype']} | {c['bytes_per_token']:.0f} | {c['bytes_per_token_128k']:.0f} | "
+              f"{c['seconds']:.0f} |" for c in report["caches"]]
     lines += ["", "| student trained with | step time vs online | train() time vs online | held-out CE | "
-              "CE − online | KL(teacher‖student) | top-1 agreement |", "|---|---|---|---|---|---|---|"]
+              "CE − online | CE − float32 cache | step time vs float32 cache | KL(teacher‖student) | "
+              "top-1 agreement |", "|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
-        h, gap = r["heldout"], r["gap_to_online"]
+        h, gap, exact = r["heldout"], r["gap_to_online"], r.get("vs_float32_cache")
+        versus = f"{exact['student_ce']:+.4f} | {exact['step_time']:.2f}" if exact else " | "
         lines.append(f"| {r['name']} | {r['step_time_vs_online']:.2f} | {r['train_time_vs_online']:.2f} | "
-                     f"{h['student_ce']:.3f} | {gap['student_ce']:+.3f} | {h['kl_to_teacher']:.3f} | "
+                     f"{h['student_ce']:.3f} | {gap['student_ce']:+.3f} | {versus} | {h['kl_to_teacher']:.3f} | "
                      f"{h['top1_agreement']:.3f} |")
     m = report["machine"]
     lines += ["", f"{report['steps']} steps of the quickstart recipe on 2 processes (ZeRO-2 student; online: ZeRO-3 "

@@ -31,6 +31,7 @@ import torch
 from _common import step_timer  # benchmarks/_common.py and memory_probe.py (the script's folder)
 from memory_probe import reset_peak_rss
 
+from trl_distill.distributed import teardown_process_group
 from trl_distill.testing import write_rank_record
 
 KIB = 1024
@@ -216,8 +217,7 @@ def main() -> None:
     rec["torch_threads"] = torch.get_num_threads()
     rec["loss_token_fraction"] = spec["loss_token_fraction"]
     write_rank_record(spec["out"], rank, rec)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    teardown_process_group()  # all ranks together (a barrier first), as trl_distill does at exit
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def _set_single_process_env() -> None:
         )
 
 
-def _destroy_process_group() -> None:
+def teardown_process_group() -> None:
     """Tear the gloo group down at exit, all ranks together. Without this a CPU run aborts at interpreter exit (-6,
     "terminate called without an active exception"); a rank that gets there first waits (30 s at most) for the others,
     so none tears down while a peer still talks to it."""
@@ -63,10 +63,10 @@ _destroy_registered = []
 
 
 def _destroy_at_exit() -> None:
-    """Register `_destroy_process_group` once per process, whoever created the group (a stock `TrainingArguments`
+    """Register `teardown_process_group` once per process, whoever created the group (a stock `TrainingArguments`
     built before ours, accelerate, or us)."""
     if not _destroy_registered:
-        atexit.register(_destroy_process_group)
+        atexit.register(teardown_process_group)
         _destroy_registered.append(True)
 
 

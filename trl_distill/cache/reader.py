@@ -9,8 +9,9 @@ import pyarrow as pa
 import torch
 
 from ..sparse_losses import SparseTeacherSignal
+from . import packing
 from .manifest import Manifest, check_fits, tokenizer_hash
-from .shards import file_sha256, flat, read_shard
+from .shards import PACKED, file_sha256, flat, read_shard
 
 ROW = "teacher_cache_row"  # the column added to the prepared train dataset: the row's index in the cache
 SIGNAL = "teacher_cache_signal"  # the batch key of the rows' signal
@@ -60,6 +61,8 @@ class TeacherCache:
     def _check_values(self, redo: str) -> None:
         """Cheap sanity on what was read: log-probabilities are numbers <= 0 (-inf is an empty bucket)."""
         for name in ("top_k_log_probs", "tail_log_prob"):
+            if name not in self.table.column_names:  # packed: codes, which decode to log-probabilities by design
+                continue
             values = flat(self.table.column(name)).astype(np.float32)
             if values.size and (np.isnan(values).any() or values.max() > 1e-3):
                 raise ValueError(f"The teacher cache {self.directory} holds {name} values that are no "
@@ -73,8 +76,16 @@ class TeacherCache:
             raise ValueError(f"The teacher cache {self.directory} is out of order (rows {stored[:4]}... for "
                              f"{rows[:4]}...); rewrite it with `trl-distill cache-teacher`.")
         k = self.manifest.top_k
-        ids, log_probs = (np.array(flat(part.column(name))).reshape(-1, k) for name in ("top_k_ids", "top_k_log_probs"))
         tail = np.array(flat(part.column("tail_log_prob")))  # copies: torch wants writable arrays
+        if self.manifest.log_prob_dtype == PACKED:  # decoded here, in the data path, not in the loss
+            tails = part.column("tail_log_prob").to_pylist()
+            decoded = [packing.decode(blob, np.asarray(t, dtype=np.float32), k, self.manifest.vocab_size)
+                       for blob, t in zip(part.column("packed").to_pylist(), tails, strict=True)]
+            ids = np.concatenate([d[0] for d in decoded]) if decoded else np.zeros((0, k), dtype=np.int64)
+            log_probs = np.concatenate([d[1] for d in decoded]) if decoded else np.zeros((0, k), dtype=np.float32)
+        else:
+            ids, log_probs = (np.array(flat(part.column(name))).reshape(-1, k)
+                              for name in ("top_k_ids", "top_k_log_probs"))
         return SparseTeacherSignal(torch.from_numpy(ids), torch.from_numpy(log_probs), torch.from_numpy(tail))
 
 

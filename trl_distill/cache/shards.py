@@ -1,8 +1,14 @@
 """A teacher cache's shards on disk: Arrow IPC stream files, one row per prepared training row.
 
-Columns: ``row`` (index in the prepared dataset), ``input_ids`` (the token ids the teacher saw), ``positions``
-(the hidden-state positions carrying loss: ``labels[t + 1] != -100``), and per such position, flattened in order,
-``top_k_ids`` (int32, k each), ``top_k_log_probs`` (float32 or float16, k each) and ``tail_log_prob`` (float32).
+Columns: ``row`` (index in the prepared dataset) and ``tail_log_prob`` (float32, one per loss token: the hidden-state
+positions with ``labels[t + 1] != -100``, in order), then by encoding (`Manifest.log_prob_dtype`):
+
+- ``"7bit"`` (the default): ``packed``, the row's top-k entries bit-packed (ids in ``ceil(log2 V)`` bits, log-probs as
+  7-bit codes; see `cache.packing`). Input ids and positions are not stored: the dataset's fingerprint in the
+  manifest pins them.
+- ``"float32"`` / ``"float16"`` (the first format, still read): ``input_ids`` (the token ids the teacher saw),
+  ``positions``, and per loss token, flattened in order, ``top_k_ids`` (int32, k each) and ``top_k_log_probs`` (k each).
+
 Shards are written to ``NAME.tmp`` and renamed when whole, so a killed writer never leaves a readable partial one.
 """
 
@@ -14,8 +20,11 @@ import os
 import numpy as np
 import pyarrow as pa
 
+from . import packing
+
+PACKED = "7bit"
 ARROW_TYPES = {"float32": pa.float32(), "float16": pa.float16()}
-SCHEMA_FIELDS = ("row", "input_ids", "positions", "top_k_ids", "top_k_log_probs", "tail_log_prob")
+LOG_PROB_DTYPES = (PACKED, *ARROW_TYPES)
 
 
 def shard_name(index: int) -> str:
@@ -23,6 +32,8 @@ def shard_name(index: int) -> str:
 
 
 def schema(log_prob_dtype: str) -> pa.Schema:
+    if log_prob_dtype == PACKED:
+        return pa.schema([("row", pa.int64()), ("packed", pa.binary()), ("tail_log_prob", pa.list_(pa.float32()))])
     return pa.schema([
         ("row", pa.int64()),
         ("input_ids", pa.list_(pa.int32())),
@@ -33,18 +44,26 @@ def schema(log_prob_dtype: str) -> pa.Schema:
     ])  # fmt: skip
 
 
-def write_shard(path: str, records: list[dict], log_prob_dtype: str) -> int:
-    """Write `records` (dicts of numpy arrays, sorted by row) to `path` atomically; returns the file's size."""
+def _columns(records: list[dict], log_prob_dtype: str, vocab_size: int) -> dict:
+    columns = {"row": [r["row"] for r in records],
+               "tail_log_prob": [np.asarray(r["tail_log_prob"], dtype=np.float32) for r in records]}
+    if log_prob_dtype == PACKED:
+        columns["packed"] = [packing.encode(np.asarray(r["top_k_ids"]), np.asarray(r["top_k_log_probs"]), vocab_size)
+                             for r in records]
+        return columns
     np_dtype = np.dtype(log_prob_dtype)
-    columns = {
-        "row": [r["row"] for r in records],
+    columns.update({
         "input_ids": [np.asarray(r["input_ids"], dtype=np.int32) for r in records],
         "positions": [np.asarray(r["positions"], dtype=np.int32) for r in records],
         "top_k_ids": [np.asarray(r["top_k_ids"], dtype=np.int32).reshape(-1) for r in records],
         "top_k_log_probs": [np.asarray(r["top_k_log_probs"], dtype=np_dtype).reshape(-1) for r in records],
-        "tail_log_prob": [np.asarray(r["tail_log_prob"], dtype=np.float32) for r in records],
-    }
-    table = pa.Table.from_pydict(columns, schema=schema(log_prob_dtype))
+    })  # fmt: skip
+    return columns
+
+
+def write_shard(path: str, records: list[dict], log_prob_dtype: str, vocab_size: int) -> int:
+    """Write `records` (dicts of numpy arrays, sorted by row) to `path` atomically; returns the file's size."""
+    table = pa.Table.from_pydict(_columns(records, log_prob_dtype, vocab_size), schema=schema(log_prob_dtype))
     with pa.OSFile(path + ".tmp", "wb") as sink:
         with pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)

@@ -21,7 +21,7 @@ from ..logit_check import probe_inputs, settle_logit_paths
 from ..modeling import gathered
 from ..sparse_losses import top_k_teacher_signal
 from .manifest import Manifest, dataset_fingerprint, tokenizer_hash
-from .shards import ARROW_TYPES, file_sha256, shard_name, write_shard
+from .shards import LOG_PROB_DTYPES, file_sha256, shard_name, write_shard
 
 # Loss tokens projected through the teacher's lm_head at a time (bounds the [rows, V] logits)
 _ROWS_PER_PROJECTION = 256
@@ -34,7 +34,7 @@ def write_teacher_cache(
     top_k: int = 64,
     shard_rows: int = 1024,
     batch_size: int | None = None,
-    log_prob_dtype: str = "float32",
+    log_prob_dtype: str = "7bit",
     on_shard: Callable[[int], None] | None = None,
 ) -> Manifest:
     """Cache the teacher of `trainer` (a `DistillationTrainer` with a teacher) over its prepared train dataset:
@@ -44,12 +44,12 @@ def write_teacher_cache(
 
 
 def open_teacher_cache(trainer, directory: str, *, top_k: int = 64, shard_rows: int = 1024,
-                       log_prob_dtype: str = "float32") -> Manifest:
+                       log_prob_dtype: str = "7bit") -> Manifest:
     """Check the settings and decide what a (re-)run still has to write: the manifest, its ``shards`` the complete
     ones to keep. Bad settings, or a directory holding another cache, raise `ValueError` on every rank before the
     teacher runs. Collective."""
-    if log_prob_dtype not in ARROW_TYPES:
-        raise ValueError(f"log_prob_dtype must be one of {sorted(ARROW_TYPES)}, got {log_prob_dtype!r}.")
+    if log_prob_dtype not in LOG_PROB_DTYPES:
+        raise ValueError(f"log_prob_dtype must be one of {', '.join(LOG_PROB_DTYPES)}, got {log_prob_dtype!r}.")
     if top_k < 1 or top_k > trainer.vocab_size:
         raise ValueError(f"top_k must be in [1, the vocabulary size {trainer.vocab_size}], got {top_k}.")
     if shard_rows < 1:
@@ -105,7 +105,7 @@ def fill_teacher_cache(trainer, directory: str, manifest: Manifest, *, batch_siz
         if accelerator.is_main_process:
             records.sort(key=lambda r: r["row"])
             path = os.path.join(directory, shard_name(index))
-            size = write_shard(path, records, log_prob_dtype)
+            size = write_shard(path, records, log_prob_dtype, manifest.vocab_size)
             tokens = sum(len(r["positions"]) for r in records)
             manifest.shards.append({"index": index, "file": shard_name(index), "rows": [rows.start, rows.stop],
                                     "tokens": tokens, "bytes": size, "sha256": file_sha256(path)})

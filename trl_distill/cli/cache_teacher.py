@@ -21,9 +21,11 @@ class CacheArguments:
     cache_top_k: int = field(default=64, metadata={"help": "Teacher token ids (and log-probs) kept per loss token."})
     cache_shard_rows: int = field(default=1024, metadata={"help": "Training rows per shard file (the unit of resume)."})
     cache_log_prob_dtype: str = field(
-        default="float32",
-        metadata={"help": "Storage of the top-k log-probs: float32 (exact) or float16 (half the bytes).",
-                  "choices": ["float32", "float16"]},
+        default="7bit",
+        metadata={"help": "Storage of the top-k: 7bit (ids bit-packed, log-probs as 7-bit codes below the top-1, the "
+                  "tail mass exact: ~3 bytes per entry, see trl_distill/cache/packing.py), float16 or float32 "
+                  "(int32 ids and exact log-probs: 6 or 8 bytes per entry).",
+                  "choices": ["7bit", "float16", "float32"]},
     )
     cache_batch_size: int | None = field(
         default=None, metadata={"help": "Rows per teacher forward and rank (default: per_device_eval_batch_size)."}
