@@ -78,9 +78,9 @@ class TeacherCache:
         k = self.manifest.top_k
         tail = np.array(flat(part.column("tail_log_prob")))  # copies: torch wants writable arrays
         if self.manifest.log_prob_dtype == PACKED:  # decoded here, in the data path, not in the loss
-            tails = part.column("tail_log_prob").to_pylist()
-            decoded = [packing.decode(blob, np.asarray(t, dtype=np.float32), k, self.manifest.vocab_size)
-                       for blob, t in zip(part.column("packed").to_pylist(), tails, strict=True)]
+            ends = np.cumsum([0, *part.column("tail_log_prob").combine_chunks().value_lengths().to_numpy()])
+            decoded = [packing.decode(blob, tail[start:end], k, self.manifest.vocab_size)
+                       for blob, start, end in zip(part.column("packed").to_pylist(), ends, ends[1:], strict=False)]
             ids = np.concatenate([d[0] for d in decoded]) if decoded else np.zeros((0, k), dtype=np.int64)
             log_probs = np.concatenate([d[1] for d in decoded]) if decoded else np.zeros((0, k), dtype=np.float32)
         else:
