@@ -31,13 +31,15 @@ bench-loss: setup
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	$(BIN)/python benchmarks/loss_memory.py
 
-# trl_distill vs TRL's GKDTrainer vs a bare PyTorch loop: teacher memory, peak RSS, tokens/s (about 9 minutes on 2 idle cores)
+# trl_distill vs TRL's GKDTrainer vs a bare PyTorch loop: teacher memory, peak RSS, tokens/s, also at gradient
+# accumulation 8 (about 13 minutes on 2 idle cores)
 bench: setup
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/trainers.py
 
-# The teacher cache (trl-distill cache-teacher, k = 8/64/256) vs the online ZeRO-3 teacher: bytes per token, step
-# time, held-out quality gap (about 7 minutes on 2 idle cores)
+# The teacher cache (trl-distill cache-teacher, k = 8/64/256, packed 7bit and float32) vs the online ZeRO-3 teacher:
+# bytes per token, step
+# time, held-out quality gap (about 8 minutes on 2 idle cores)
 bench-cache: setup
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/teacher_cache.py
 

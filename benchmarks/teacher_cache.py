@@ -1,4 +1,4 @@
-"""The teacher cache vs the online ZeRO-3 teacher, measured in one run (`make bench-cache`, ~11 min on 2 idle cores).
+"""The teacher cache vs the online ZeRO-3 teacher, measured in one run (`make bench-cache`, ~8 min on 2 idle cores).
 
     python benchmarks/teacher_cache.py [--output_dir benchmarks/results] [--work_dir outputs/bench_cache] [--smoke]
 
