@@ -38,8 +38,7 @@ bench: setup
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/trainers.py
 
 # The teacher cache (trl-distill cache-teacher, k = 8/64/256, packed 7bit and float32) vs the online ZeRO-3 teacher:
-# bytes per token, step
-# time, held-out quality gap (about 8 minutes on 2 idle cores)
+# bytes per token, step time, held-out quality gap (about 8 minutes on 2 idle cores)
 bench-cache: setup
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/teacher_cache.py
 
