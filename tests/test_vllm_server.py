@@ -1,0 +1,67 @@
+"""A real vLLM server (its own venv, `make vllm-env`) serving a tiny teacher: the facts a served teacher (issue 22)
+builds on, checked against the same teacher run by transformers in fp32. Skipped, with the reason, where the venv
+is absent (`.ci/run` does not build it yet)."""
+
+import json
+import urllib.request
+
+import pytest
+import torch
+
+from trl_distill.testing import VLLM_VENV, build_tiny_model, build_tokenizer, synthetic_prompt_completion, vllm_server
+
+pytestmark = [
+    pytest.mark.distributed,  # a server process beside the test: not in `make test-fast`
+    pytest.mark.skipif(not (VLLM_VENV / "bin" / "python").exists(),
+                       reason=f"no vLLM venv at {VLLM_VENV}: run `make vllm-env` to run the served-teacher tests"),
+]
+K = 8
+
+
+def post(url: str, path: str, body: dict) -> dict:
+    request = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A teacher with head_dim 64 (vLLM's CPU attention refuses the 16 of the usual tiny models), saved and served."""
+    directory = tmp_path_factory.mktemp("served_teacher")
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(tokenizer, "teacher", hidden_size=128, num_attention_heads=2, intermediate_size=256,
+                             num_hidden_layers=2).eval()
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    with vllm_server(directory) as url:
+        yield url, model, tokenizer
+
+
+def test_prompt_logprobs_are_the_teachers_top_k(served):
+    """Token ids in, `prompt_logprobs=k` out: at every position after the first, the teacher's k most likely next
+    tokens (plus the actual one), with fp32 log-probs within 1e-4 of transformers' own."""
+    url, model, tokenizer = served
+    rows = synthetic_prompt_completion(4)
+    worst = 0.0
+    for row in rows:
+        ids = tokenizer(row["prompt"] + row["completion"])["input_ids"]
+        out = post(url, "/v1/completions", {"model": "teacher", "prompt": ids, "max_tokens": 1, "prompt_logprobs": K,
+                                            "temperature": 0})
+        served_logprobs = out["choices"][0]["prompt_logprobs"]
+        assert len(served_logprobs) == len(ids) and served_logprobs[0] is None
+        with torch.no_grad():
+            log_probs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        for t in range(1, len(ids)):
+            got = {int(token): entry["logprob"] for token, entry in served_logprobs[t].items()}
+            top = log_probs[t - 1].topk(K)
+            want = dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+            assert set(want) <= set(got) and len(got) <= K + 1, t  # the top-k, and the actual token if not in it
+            worst = max(worst, max(abs(got[i] - want[i]) for i in want))
+    assert worst <= 1e-4, worst
+
+
+def test_the_server_tokenizes_like_the_student_tokenizer(served):
+    """`/tokenize` gives the served model's token ids: how a run can refuse a server with another tokenizer."""
+    url, _, tokenizer = served
+    text = "reverse: the small teacher => teacher small the"
+    assert post(url, "/tokenize", {"model": "teacher", "prompt": text})["tokens"] == tokenizer(text)["input_ids"]
