@@ -8,6 +8,8 @@ import urllib.request
 import pytest
 import torch
 
+from trl_distill.served_teacher import ServedTeacher
+from trl_distill.sparse_losses import top_k_teacher_signal
 from trl_distill.testing import VLLM_VENV, build_tiny_model, build_tokenizer, synthetic_prompt_completion, vllm_server
 
 pytestmark = [
@@ -65,3 +67,22 @@ def test_the_server_tokenizes_like_the_student_tokenizer(served):
     url, _, tokenizer = served
     text = "reverse: the small teacher => teacher small the"
     assert post(url, "/tokenize", {"model": "teacher", "prompt": text})["tokens"] == tokenizer(text)["input_ids"]
+
+
+def test_served_teacher_signal_equals_the_local_teachers(served):
+    """`ServedTeacher.top_k` over HTTP gives what `top_k_teacher_signal` computes from the local fp32 teacher's
+    logits: the same ids, log-probs and tail mass to 1e-4; and a server with another tokenizer is refused."""
+    url, model, tokenizer = served
+    teacher = ServedTeacher(url, "teacher")
+    teacher.check_tokenizer(tokenizer)
+    for row in synthetic_prompt_completion(3, seed=5):
+        ids = tokenizer(row["prompt"] + row["completion"])["input_ids"]
+        got = teacher.top_k(ids, K)
+        with torch.no_grad():
+            want = top_k_teacher_signal(model(torch.tensor([ids])).logits[0, :-1], K)
+        assert torch.equal(got.ids, want.ids)
+        torch.testing.assert_close(got.log_probs, want.log_probs, atol=1e-4, rtol=0)
+        torch.testing.assert_close(got.tail_log_prob.exp(), want.tail_log_prob.exp(), atol=1e-4, rtol=0)
+    other = build_tokenizer(vocab_size=300, corpus=["a completely different corpus of words"] * 4)
+    with pytest.raises(ValueError, match="must share the student's tokenizer"):
+        teacher.check_tokenizer(other)
