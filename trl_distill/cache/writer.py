@@ -20,6 +20,7 @@ from ..compat import prepare_inputs
 from ..logit_check import probe_inputs, settle_logit_paths
 from ..modeling import gathered
 from ..sparse_losses import top_k_teacher_signal
+from ..teacher_step import loss_tokens
 from .manifest import Manifest, dataset_fingerprint, tokenizer_hash
 from .shards import LOG_PROB_DTYPES, file_sha256, shard_name, write_shard
 
@@ -169,9 +170,9 @@ def _teacher_rows(trainer, columns, rows: range, top_k: int, temperature: float)
     """The sparse teacher signal of the prepared rows `rows`, one record per row."""
     examples = [columns[i] for i in rows]
     batch = prepare_inputs(trainer, trainer.data_collator(examples))
-    labels = batch.pop("labels")
+    _, mask = loss_tokens(batch)  # position t predicts labels[t + 1], as in training
+    batch.pop("labels")
     batch.pop("shift_labels", None)
-    mask = labels[:, 1:] != -100  # position t predicts labels[t + 1]
     keep = mask.any(0).nonzero().squeeze(1)
     features, vocab = trainer.teacher.features(batch, keep), trainer.vocab_size
     records = []
