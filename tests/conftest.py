@@ -2,8 +2,17 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
-from trl_distill.testing import launch, read_rank_records, save_tiny_pair
+from trl_distill.testing import (
+    VLLM_VENV,
+    build_tiny_model,
+    build_tokenizer,
+    launch,
+    read_rank_records,
+    save_tiny_pair,
+    vllm_server,
+)
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -36,8 +45,34 @@ def zero2_zero3_runs(tiny_pair, tmp_path_factory) -> dict:
     return runs
 
 
+@pytest.fixture(scope="session")
+def served(tmp_path_factory) -> dict:
+    """A real vLLM server (its own venv, `make vllm-env`) serving a tiny fp32 teacher, started once per session.
+
+    The teacher has head_dim 64 (vLLM's CPU attention refuses the 16 of the usual tiny models); a tiny student with
+    the same tokenizer is saved beside it. Returns ``{"url", "teacher" (its directory), "student", "model" (the
+    teacher, in this process), "tokenizer"}``. Skips, with the reason, where the venv is absent.
+    """
+    if not (VLLM_VENV / "bin" / "python").exists():
+        pytest.skip(f"no vLLM venv at {VLLM_VENV}: run `make vllm-env` to run the served-teacher tests")
+    directory = tmp_path_factory.mktemp("served")
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(tokenizer, "teacher", hidden_size=128, num_attention_heads=2, intermediate_size=256,
+                             num_hidden_layers=2).eval()
+    with torch.no_grad():
+        model.model.norm.weight.fill_(8.0)  # logits 8x: a peaked teacher, so top-k KD is far from zero
+    paths = {"teacher": str(directory / "teacher"), "student": str(directory / "student")}
+    model.save_pretrained(paths["teacher"])
+    build_tiny_model(tokenizer, "student", seed=1).save_pretrained(paths["student"])
+    for path in paths.values():
+        tokenizer.save_pretrained(path)
+    with vllm_server(paths["teacher"]) as url:
+        yield {"url": url, **paths, "model": model, "tokenizer": tokenizer}
+
+
 # Fixtures that launch several processes: a test using one is a multi-process test, marked or not
-MULTI_PROCESS_FIXTURES = {"zero2_zero3_runs", "lora_runs", "bf16_and_fp32_runs", "runs", "smoke", "step_runs"}
+MULTI_PROCESS_FIXTURES = {"zero2_zero3_runs", "lora_runs", "bf16_and_fp32_runs", "runs", "smoke", "step_runs",
+                          "served"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,5 @@
-"""A real vLLM server (its own venv, `make vllm-env`) serving a tiny teacher: the facts a served teacher (issue 22)
-builds on, checked against the same teacher run by transformers in fp32. Skipped, with the reason, where the venv
-is absent (`.ci/run` does not build it yet)."""
+"""A real vLLM server (its own venv, `make vllm-env`; the session fixture `served`) serving a tiny teacher: the facts
+the served teacher builds on, checked against the same teacher run by transformers in fp32."""
 
 import json
 import urllib.request
@@ -10,13 +9,8 @@ import torch
 
 from trl_distill.served_teacher import ServedTeacher
 from trl_distill.sparse_losses import top_k_teacher_signal
-from trl_distill.testing import VLLM_VENV, build_tiny_model, build_tokenizer, synthetic_prompt_completion, vllm_server
+from trl_distill.testing import build_tokenizer, synthetic_prompt_completion
 
-pytestmark = [
-    pytest.mark.distributed,  # a server process beside the test: not in `make test-fast`
-    pytest.mark.skipif(not (VLLM_VENV / "bin" / "python").exists(),
-                       reason=f"no vLLM venv at {VLLM_VENV}: run `make vllm-env` to run the served-teacher tests"),
-]
 K = 8
 
 
@@ -26,23 +20,10 @@ def post(url: str, path: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """A teacher with head_dim 64 (vLLM's CPU attention refuses the 16 of the usual tiny models), saved and served."""
-    directory = tmp_path_factory.mktemp("served_teacher")
-    tokenizer = build_tokenizer()
-    model = build_tiny_model(tokenizer, "teacher", hidden_size=128, num_attention_heads=2, intermediate_size=256,
-                             num_hidden_layers=2).eval()
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    with vllm_server(directory) as url:
-        yield url, model, tokenizer
-
-
 def test_prompt_logprobs_are_the_teachers_top_k(served):
     """Token ids in, `prompt_logprobs=k` out: at every position after the first, the teacher's k most likely next
     tokens (plus the actual one), with fp32 log-probs within 1e-4 of transformers' own."""
-    url, model, tokenizer = served
+    url, model, tokenizer = served["url"], served["model"], served["tokenizer"]
     rows = synthetic_prompt_completion(4)
     worst = 0.0
     for row in rows:
@@ -64,7 +45,7 @@ def test_prompt_logprobs_are_the_teachers_top_k(served):
 
 def test_the_server_tokenizes_like_the_student_tokenizer(served):
     """`/tokenize` gives the served model's token ids: how a run can refuse a server with another tokenizer."""
-    url, _, tokenizer = served
+    url, tokenizer = served["url"], served["tokenizer"]
     text = "reverse: the small teacher => teacher small the"
     assert post(url, "/tokenize", {"model": "teacher", "prompt": text})["tokens"] == tokenizer(text)["input_ids"]
 
@@ -72,7 +53,7 @@ def test_the_server_tokenizes_like_the_student_tokenizer(served):
 def test_served_teacher_signal_equals_the_local_teachers(served):
     """`ServedTeacher.top_k` over HTTP gives what `top_k_teacher_signal` computes from the local fp32 teacher's
     logits: the same ids, log-probs and tail mass to 1e-4; and a server with another tokenizer is refused."""
-    url, model, tokenizer = served
+    url, model, tokenizer = served["url"], served["model"], served["tokenizer"]
     teacher = ServedTeacher(url, "teacher")
     teacher.check_tokenizer(tokenizer)
     for row in synthetic_prompt_completion(3, seed=5):

@@ -42,6 +42,8 @@ class DistillationConfig(SFTConfig):
         ``tvd``. (`loss_type` stays SFT's own field.)
     teacher_cache: train from a cache of the teacher's top-k distribution (`trl-distill cache-teacher`) instead of
         a live teacher.
+    teacher_server: distil from a teacher served by vLLM at this URL (no teacher in the training processes; its
+        top-k per loss token, as from a cache); `teacher_server_top_k` / `_timeout` / `_concurrency` tune it.
     teacher_step_pass, teacher_batch_size: the teacher runs once per optimizer step over all its micro-batches (at
         most `teacher_batch_size` rows per forward), so a ZeRO-3 teacher is gathered once per step.
     temperature, alpha, beta, skew_alpha, kd_temperature_scaling, loss_chunk_size: see each field's help.
@@ -97,6 +99,28 @@ class DistillationConfig(SFTConfig):
             "the top-k tokens plus the tail mass (see `trl_distill.sparse_losses`). For `cache-teacher` itself: "
             "where the cache is written."
         },
+    )
+    teacher_server: str | None = field(
+        default=None,
+        metadata={
+            "help": "The URL of an OpenAI-compatible vLLM server serving the teacher (`vllm serve TEACHER "
+            "--max-logprobs 64`); --teacher_model_name_or_path then names the served model (default: the one it "
+            "serves). No teacher is loaded here: each batch's loss tokens get the teacher's top-k log-probs from "
+            "the server, requested ahead while the student computes, and the loss runs as from a teacher cache. "
+            "Temperature 1 only. For `cache-teacher`: write the cache from the server."
+        },
+    )
+    teacher_server_top_k: int = field(
+        default=64,
+        metadata={"help": "Teacher token ids per loss token from the server (it needs --max-logprobs >= this)."},
+    )
+    teacher_server_timeout: float = field(
+        default=120.0,
+        metadata={"help": "Seconds per teacher-server request; each is retried 3 times with backoff before the run "
+                  "stops with the error."},
+    )
+    teacher_server_concurrency: int = field(
+        default=4, metadata={"help": "Teacher-server requests in flight per process."}
     )
     divergence: str = field(
         default="forward_kl",
@@ -204,12 +228,32 @@ class DistillationConfig(SFTConfig):
         if self.teacher_cache is not None and (self.packing or self.padding_free):
             raise ValueError("Training from a teacher cache does not support packing / padding_free yet: the cache "
                              "holds one row per unpacked example. Set packing=False and padding_free=False.")
+        if self.teacher_server is not None:
+            self._check_teacher_server()
         for name in ("model_init_kwargs", "teacher_model_init_kwargs"):
             refuse_quantization_without_gpu(getattr(self, name), name)
         self.deepspeed = _lenient_deepspeed(self.deepspeed if self.deepspeed else _accelerate_deepspeed_file())
         _use_activation_checkpointing_names(self)
         settle_precision(self)
         super().__post_init__()
+
+    def _check_teacher_server(self) -> None:
+        if self.lmbda > 0 or self.seq_kd:
+            raise ValueError("On-policy (lmbda > 0) and sequence-level (seq_kd) distillation are not supported with "
+                             "--teacher_server yet: they need the teacher on sampled completions. Set lmbda=0 and "
+                             "seq_kd=False, or load the teacher with --teacher_model_name_or_path.")
+        if self.packing or self.padding_free:
+            raise ValueError("A served teacher scores one unpacked row per example: set packing=False and "
+                             "padding_free=False with --teacher_server.")
+        if self.temperature != 1.0:
+            raise ValueError(f"A served teacher gives its log-probs at temperature 1 only (vLLM applies no temperature "
+                             f"to prompt log-probs, and the top-k cannot be renormalised without the whole "
+                             f"vocabulary); got --temperature {self.temperature}. Train at --temperature 1, or use "
+                             "the local teacher (--teacher_model_name_or_path, or a cache written from it).")
+        if self.teacher_server_top_k < 1 or self.teacher_server_concurrency < 1 or not self.teacher_server_timeout > 0:
+            raise ValueError("teacher_server_top_k and teacher_server_concurrency must be >= 1 and "
+                             f"teacher_server_timeout > 0; got {self.teacher_server_top_k}, "
+                             f"{self.teacher_server_concurrency}, {self.teacher_server_timeout}.")
 
     @cached_property
     def _setup_devices(self):

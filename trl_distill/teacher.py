@@ -223,18 +223,30 @@ def _freeze(model: nn.Module) -> None:
 
 
 def resolve_teacher(teacher_model, args, eval_dataset, student, peft_config):
-    """What the student learns from: ``(teacher, cache)``, one of them None.
+    """What the student learns from: ``(teacher, source)``, one of them None.
 
     `teacher_model` (else ``args.teacher_model_name_or_path``) becomes a `Teacher`, ``"self"`` the marker `SELF`
-    (a `SelfTeacher` once the PEFT student exists); ``args.teacher_cache`` replaces the teacher by a `TeacherCache`.
+    (a `SelfTeacher` once the PEFT student exists); ``args.teacher_cache`` replaces the teacher by a `TeacherCache`,
+    ``args.teacher_server`` by a `ServedTeacherSignal` (`teacher_model` then names the served model).
     """
     from .cache.reader import TeacherCache
+    from .served_signal import ServedTeacherSignal
 
     if isinstance(teacher_model, TrainingArguments):
         raise TypeError("DistillationTrainer(model, teacher_model, args, ...): "
                         "the second positional argument is the teacher. Pass the training arguments by keyword, "
                         "`args=...`.")
     teacher_model = teacher_model if teacher_model is not None else args.teacher_model_name_or_path
+    if args.teacher_server is not None:
+        if args.teacher_cache is not None:
+            raise ValueError("Pass either --teacher_server (a served teacher) or --teacher_cache (a cache of it) for "
+                             "training, not both; `cache-teacher --teacher_server URL --teacher_cache DIR` writes the "
+                             "cache from the server.")
+        if teacher_model is not None and not isinstance(teacher_model, str):
+            raise ValueError("With teacher_server the teacher runs on the server: pass its served name (a string) or "
+                             "nothing as the teacher, not a model.")
+        return None, ServedTeacherSignal(args.teacher_server, teacher_model, args.teacher_server_top_k,
+                                         args.teacher_server_timeout, args.teacher_server_concurrency)
     if args.teacher_cache is not None:
         if teacher_model is not None:
             logger.warning("Training from the teacher cache %s: the teacher %s is not loaded.", args.teacher_cache,

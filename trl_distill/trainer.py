@@ -13,7 +13,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import SFTTrainer
 
 from . import compat  # the private library APIs we use, each in one named function
-from .cache.reader import ROW, pop_signal, train_from_cache
+from .cache.reader import ROW, TeacherCache, train_from_cache
 from .checkpoints import mark_complete, resume_point, run_record
 from .config import DistillationConfig, as_distillation_config
 from .data import drop_unanswered_conversations, log_skipped_rows, resolve_assistant_only_loss, student_tokenizer
@@ -22,6 +22,8 @@ from .logit_check import probe_inputs, settle_logit_paths
 from .losses import DenseTeacherSignal, LossSettings, fused_loss, select_loss_rows
 from .modeling import LossFeatures, add_fused_distillation_forward, gathered
 from .on_policy import CompletionSampler, refuse_zero3_student_sampling
+from .served_signal import ServedTeacherSignal, train_from_server
+from .signal_batch import pop_signal
 from .sparse_losses import SparseSignalChunks
 from .teacher import SELF, STUDENT, TEACHER, SelfTeacher, Teacher, resolve_teacher
 from .teacher_step import TeacherRows, TeacherStepPass, loss_tokens
@@ -81,7 +83,9 @@ class DistillationTrainer(SFTTrainer):
         args = DistillationConfig(output_dir="distilled-model") if args is None else as_distillation_config(args)
         check_output_dir(args.output_dir)
         check_dataset_not_empty(train_dataset, "train", "given")
-        self.teacher, self.teacher_cache = resolve_teacher(teacher_model, args, eval_dataset, model, peft_config)
+        self.teacher, source = resolve_teacher(teacher_model, args, eval_dataset, model, peft_config)
+        self.teacher_cache = source if isinstance(source, TeacherCache) else None
+        self.served_teacher = source if isinstance(source, ServedTeacherSignal) else None
         if args.assistant_only_loss is None:
             processing_class = processing_class or student_tokenizer(model, train_dataset)
             args.assistant_only_loss = resolve_assistant_only_loss(None, train_dataset, processing_class)
@@ -114,6 +118,8 @@ class DistillationTrainer(SFTTrainer):
             self.vocab_size = shared_vocab_size(student.config, teacher_config, self.processing_class)
             if self.teacher_cache is not None:
                 train_from_cache(self, self.teacher_cache)
+            elif self.served_teacher is not None:
+                train_from_server(self, self.served_teacher)
             elif isinstance(self.teacher, Teacher):
                 check_tokenizers_match(self.processing_class, self.teacher.source)
             check_dataset_not_empty(self.train_dataset, "train", "prepared", args.max_length)
@@ -172,7 +178,7 @@ class DistillationTrainer(SFTTrainer):
                             self.args.resume_allow_changes)
 
     def _run_record(self) -> dict:
-        teacher = getattr(self.teacher, "name", None)
+        teacher = getattr(self.teacher or self.served_teacher, "name", None)
         return run_record(self.args, teacher, self.accelerator.num_processes, self.is_deepspeed_enabled)
 
     def _save_checkpoint(self, model, trial):
@@ -191,7 +197,7 @@ class DistillationTrainer(SFTTrainer):
 
     def prepare_teacher(self) -> None:
         """Load and prepare the teacher once (collective under DeepSpeed); the dataloader getters call it."""
-        if self.teacher is not None:  # None: training from a teacher cache
+        if self.teacher is not None:  # None: training from a teacher cache or a served teacher
             self.teacher.prepare(self.accelerator, self.args.device)
 
     def _set_signature_columns_if_needed(self):
@@ -252,7 +258,7 @@ class DistillationTrainer(SFTTrainer):
         if self._logit_paths is None:
             self._settle_logit_paths(model, model_inputs, mask)
         teacher = self.teacher_step.take(inputs) if self.model.training else None  # computed ahead for the step
-        if cached is None and teacher is None:  # (a cache: the teacher's top-k comes from it; no teacher runs)
+        if cached is None and teacher is None:  # (a cache or a server: the teacher's top-k comes with the batch)
             # Every rank runs every teacher forward, even with no loss token: ZeRO-3 gathers are collective.
             teacher = self.teacher.features(model_inputs, keep)
             check_teacher_finite(teacher.states, self.accelerator, self.state.global_step + 1)
@@ -359,3 +365,5 @@ class _LogStepSync(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.trainer.teacher_step.release()  # nothing computed ahead outlives training (nor the held lm_head)
+        if self.trainer.served_teacher is not None:
+            self.trainer.served_teacher.close()  # requests for batches collated ahead and never trained on

@@ -8,22 +8,13 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from ..signal_batch import SIGNAL, SignalHolder
 from ..sparse_losses import SparseTeacherSignal
 from . import packing
 from .manifest import Manifest, check_fits, tokenizer_hash
 from .shards import PACKED, file_sha256, flat, read_shard
 
 ROW = "teacher_cache_row"  # the column added to the prepared train dataset: the row's index in the cache
-SIGNAL = "teacher_cache_signal"  # the batch key of the rows' signal
-
-
-class _Opaque:
-    """Carries the signal through the Trainer's `_prepare_inputs` untouched: that would cast float tensors to the
-    DeepSpeed dtype (bf16), and it cannot rebuild a NamedTuple (transformers 5.24)."""
-
-    def __init__(self, signal: SparseTeacherSignal):
-        self.signal = signal
-
 
 class TeacherCache:
     """A complete teacher cache written by `trl-distill cache-teacher`, memory-mapped."""
@@ -98,18 +89,8 @@ class CachedTeacherCollator:
     def __call__(self, examples: list[dict]) -> dict:
         rows = [int(example[ROW]) for example in examples]
         batch = self.collator([{k: v for k, v in example.items() if k != ROW} for example in examples])
-        batch[SIGNAL] = _Opaque(self.cache.signal(rows))
+        batch[SIGNAL] = SignalHolder(self.cache.signal(rows))
         return batch
-
-
-def pop_signal(inputs: dict) -> SparseTeacherSignal | None:
-    """Remove the cached signal from a batch (the model must not see it), on the batch's device; None for a batch
-    without one."""
-    holder = inputs.pop(SIGNAL, None)
-    if holder is None:
-        return None
-    device = inputs["input_ids"].device
-    return SparseTeacherSignal(*(t.to(device, non_blocking=True) for t in holder.signal))
 
 
 def train_from_cache(trainer, cache: TeacherCache) -> None:

@@ -2,9 +2,10 @@
 
 Works with the teacher as `DistillationTrainer` prepares it, so a ZeRO-3 teacher stays partitioned over the ranks:
 each shard's batches are dealt to the ranks, every rank runs every teacher forward (ZeRO-3 gathers are
-collective), rank 0 gathers the rows and writes the shard. A killed run is resumed by running it again: complete
-shards (listed in the manifest, with their size) are kept, anything else is recomputed, so the finished cache is
-byte-identical to an uninterrupted run's.
+collective), rank 0 gathers the rows and writes the shard. With a served teacher (``teacher_server``) each rank
+sends its batches to the server through the trainer's collator (`served_signal`), several requests in flight.
+A killed run is resumed by running it again: complete shards (listed in the manifest, with their size) are kept,
+anything else is recomputed, so the finished cache is byte-identical to an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 from ..compat import prepare_inputs
 from ..logit_check import probe_inputs, settle_logit_paths
 from ..modeling import gathered
+from ..signal_batch import SIGNAL
 from ..sparse_losses import top_k_teacher_signal
 from ..teacher_step import loss_tokens
 from .manifest import Manifest, dataset_fingerprint, tokenizer_hash
@@ -60,10 +62,13 @@ def open_teacher_cache(trainer, directory: str, *, top_k: int = 64, shard_rows: 
         raise ValueError("The prepared train dataset has no `labels` column; the cache needs SFT's dataset "
                          "preparation (an SFTConfig / DistillationConfig, not skip_prepare_dataset).")
     args, accelerator = trainer.args, trainer.accelerator
-    source = trainer.teacher.source
-    teacher_name = source if isinstance(source, str) else getattr(source.config, "_name_or_path", "")
+    if trainer.served_teacher is not None:
+        teacher_name, revision = trainer.served_teacher.name, None
+    else:
+        source, revision = trainer.teacher.source, trainer.teacher.init_kwargs.get("revision")
+        teacher_name = source if isinstance(source, str) else getattr(source.config, "_name_or_path", "")
     manifest = Manifest(
-        teacher=teacher_name, teacher_revision=trainer.teacher.init_kwargs.get("revision"),
+        teacher=teacher_name, teacher_revision=revision,
         tokenizer_hash=tokenizer_hash(trainer.processing_class), vocab_size=trainer.vocab_size, top_k=top_k,
         temperature=args.temperature, max_length=args.max_length, log_prob_dtype=log_prob_dtype,
         dataset_fingerprint=dataset_fingerprint(dataset), num_rows=len(dataset), shard_rows=shard_rows,
@@ -85,7 +90,10 @@ def fill_teacher_cache(trainer, directory: str, manifest: Manifest, *, batch_siz
     top_k, log_prob_dtype = manifest.top_k, manifest.log_prob_dtype
     done = {shard["index"] for shard in manifest.shards}
     columns = trainer.train_dataset.select_columns(["input_ids", "labels"])
-    if len(done) < manifest.num_shards:
+    served = trainer.served_teacher is not None
+    if served:
+        trainer.served_teacher.top_k = top_k  # the cache's k, whatever the run's teacher_server_top_k
+    if len(done) < manifest.num_shards and not served:
         trainer.prepare_teacher()  # collective
         _settle_teacher_path(trainer, columns)
     batch_size = batch_size or args.per_device_eval_batch_size
@@ -95,8 +103,8 @@ def fill_teacher_cache(trainer, directory: str, manifest: Manifest, *, batch_siz
         rows = manifest.shard_range(index)
         batches = [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
         mine = batches[accelerator.process_index :: accelerator.num_processes]
-        steps = -(-len(batches) // accelerator.num_processes)
-        records = []
+        steps = 0 if served else -(-len(batches) // accelerator.num_processes)
+        records = _served_rows(trainer, columns, mine) if served else []
         for step in range(steps):
             # A rank with no batch left runs the first one again and drops it: every forward is collective.
             batch_rows = mine[step] if step < len(mine) else batches[0]
@@ -163,6 +171,27 @@ def _settle_teacher_path(trainer, columns) -> None:
                                  trainer.accelerator)
     if trainer.accelerator.is_main_process:
         print(path.describe(trainer.vocab_size, batch["input_ids"].numel()), flush=True)
+
+
+def _served_rows(trainer, columns, batches: list[range]) -> list[dict]:
+    """The records of `batches` from the served teacher: every batch is collated (which sends its request) before
+    the first answer is awaited, so `teacher_server_concurrency` requests are in flight."""
+    pending = []
+    for rows in batches:
+        examples = [columns[i] for i in rows]
+        batch = trainer.data_collator(examples)
+        pending.append((rows, examples, loss_tokens(batch)[1], batch.pop(SIGNAL)))
+    records = []
+    for rows, examples, mask, holder in pending:
+        signal = holder.signal
+        ends = mask.sum(1).cumsum(0).tolist()
+        for b, row in enumerate(rows):
+            part = slice(ends[b - 1] if b else 0, ends[b])
+            records.append({"row": row, "input_ids": examples[b]["input_ids"],
+                            "positions": mask[b].nonzero().squeeze(1).numpy(),
+                            "top_k_ids": signal.ids[part].numpy(), "top_k_log_probs": signal.log_probs[part].numpy(),
+                            "tail_log_prob": signal.tail_log_prob[part].numpy()})
+    return records
 
 
 @torch.no_grad()

@@ -7,6 +7,10 @@ Takes the training command's flags, so the data is prepared exactly as training 
 loaded for its tokenizer and that preparation only; it is not run). With DeepSpeed the teacher is ZeRO-3,
 partitioned across the ranks. Run it again after a crash: it continues from the last complete shard.
 Then train with ``--teacher_cache DIR`` instead of ``--teacher_model_name_or_path``.
+
+With ``--teacher_server URL`` the top-k comes from a vLLM server of the teacher instead (``vllm serve TEACHER
+--max-logprobs K``; ``--teacher_model_name_or_path`` then names the served model), each process sending its rows
+with ``--teacher_server_concurrency`` requests in flight; no teacher is loaded here and DeepSpeed is not needed.
 """
 
 from __future__ import annotations
@@ -47,9 +51,12 @@ def main(argv: list[str]) -> None:
         directory = training_args.teacher_cache
         if not directory:
             raise ValueError("Pass the directory to write the cache to with --teacher_cache DIR.")
-        if training_args.teacher_model_name_or_path in (None, "self"):
-            raise ValueError("Pass the teacher to cache with --teacher_model_name_or_path.")
-        training_args.teacher_cache = None  # this run has the live teacher; DIR is its output
+        if training_args.teacher_model_name_or_path in (None, "self") and not training_args.teacher_server:
+            raise ValueError("Pass the teacher to cache with --teacher_model_name_or_path (or its vLLM server with "
+                             "--teacher_server URL).")
+        if training_args.teacher_server:  # the server's top-k: as many as the cache keeps
+            training_args.teacher_server_top_k = cache_args.cache_top_k
+        training_args.teacher_cache = None  # this run has the live (or served) teacher; DIR is its output
         training_args.eval_strategy = IntervalStrategy.NO  # only the train split is cached
         training_args.output_dir = directory
         trainer = build_trainer(script_args, training_args, model_args)

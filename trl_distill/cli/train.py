@@ -19,16 +19,17 @@ def validate(script_args, training_args, model_args) -> None:
 
     if not model_args.model_name_or_path:
         raise ValueError("Pass the student with --model_name_or_path.")
-    if not training_args.teacher_model_name_or_path and not training_args.teacher_cache:
-        raise ValueError("Pass the teacher with --teacher_model_name_or_path (or a cache of it with --teacher_cache).")
+    if not (training_args.teacher_model_name_or_path or training_args.teacher_cache or training_args.teacher_server):
+        raise ValueError("Pass the teacher with --teacher_model_name_or_path (or a cache of it with --teacher_cache, "
+                         "or a vLLM server of it with --teacher_server).")
     if training_args.teacher_model_name_or_path == "self" and not model_args.use_peft:
         raise ValueError("--teacher_model_name_or_path self (self-distillation) needs a LoRA student: add --use_peft.")
     if model_args.load_in_4bit or model_args.load_in_8bit:
         refuse_quantization_without_gpu({"load_in_4bit": True}, "--load_in_4bit/--load_in_8bit")
     check_model_path(model_args.model_name_or_path, "--model_name_or_path")
     check_weights_complete(model_args.model_name_or_path, "--model_name_or_path")
-    if training_args.teacher_cache:
-        pass  # the teacher is not loaded: its weights need not exist here
+    if training_args.teacher_cache or training_args.teacher_server:
+        pass  # the teacher is not loaded here: its weights need not exist (with a server, the name is the served one)
     elif training_args.teacher_model_name_or_path != "self":
         check_model_path(training_args.teacher_model_name_or_path, "--teacher_model_name_or_path")
     if not script_args.dataset_name:

@@ -1,0 +1,40 @@
+"""A sparse teacher signal carried in a batch, from the collator that fetched it to `compute_loss` that uses it.
+
+The teacher cache reads its rows' signal in the collator; a served teacher's collator sends a request and leaves a
+future in the batch, so the answer arrives while the student computes earlier micro-batches. Either way the batch
+holds a `SignalHolder` under `SIGNAL`, and the loss calls `pop_signal`.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+from .sparse_losses import SparseTeacherSignal
+
+SIGNAL = "teacher_signal"  # the batch key
+
+
+class SignalHolder:
+    """The rows' `SparseTeacherSignal`, or a future of it. An opaque object on purpose: the Trainer's
+    `_prepare_inputs` would cast float tensors to the DeepSpeed dtype (bf16), and it cannot rebuild a NamedTuple
+    (transformers 5.24)."""
+
+    def __init__(self, signal: SparseTeacherSignal | Future):
+        self._signal = signal
+
+    @property
+    def signal(self) -> SparseTeacherSignal:
+        """The signal; waits for it when it is still being fetched (the fetch itself has a timeout)."""
+        if isinstance(self._signal, Future):
+            self._signal = self._signal.result()
+        return self._signal
+
+
+def pop_signal(inputs: dict) -> SparseTeacherSignal | None:
+    """Remove the teacher signal from a batch (the model must not see it), on the batch's device; None for a batch
+    without one."""
+    holder = inputs.pop(SIGNAL, None)
+    if holder is None:
+        return None
+    device = inputs["input_ids"].device
+    return SparseTeacherSignal(*(t.to(device, non_blocking=True) for t in holder.signal))
