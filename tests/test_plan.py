@@ -145,6 +145,28 @@ def test_the_once_per_step_teacher_holds_hidden_states_and_its_lm_head(capsys):
     assert any(line.startswith("teacher_step") for line in table.splitlines())
 
 
+def test_a_served_teacher_costs_the_students_gpus_nothing_but_its_top_k(capsys):
+    """`served` (--teacher_server): no teacher parameters, gathers, working set or step pass on the student's GPUs;
+    the student's rows as in `ours`, plus the micro-batch's top-k signal (int64 ids, fp32 log-probs, k = 64)."""
+    student, teacher = specs(vocab=128256)
+    settings = plan.Settings(micro_batch=2, seq_len=4096, gradient_accumulation=8)
+    ours = plan.estimate(student, teacher, settings)
+    served = plan.estimate(student, teacher, settings, teacher="served")
+    assert served["teacher_params"] == served["gather_buffers"] == served["teacher_step"] == 0
+    for row in ("student_params", "student_grads", "optimizer"):
+        assert served[row] == ours[row], row
+    assert served["activations"] <= ours["activations"]
+    assert served["logits_loss"] == ours["logits_loss"] + 2 * 4096 * 64 * 12
+    assert plan.deepspeed_estimates(student, teacher, settings, "served")["teacher_model_states"] == 0
+    args = ["--student", str(DOC_CONFIGS / "qwen3-0.6b"), "--teacher", str(DOC_CONFIGS / "qwen3-8b"),
+            "--gpus_per_node", "8", "--gpu_memory_gb", "16", "--micro_batch", "2"]
+    result = run_plan(capsys, *args)
+    assert [name for name, setup in result["configs"].items() if setup["fits"]] == ["served"]
+    assert result["recommendation"]["config"] != "served"  # it needs GPUs of its own: named, never recommended
+    plan_main(args)
+    assert "Or serve the teacher with vLLM on other GPUs (--teacher_server)" in capsys.readouterr().out
+
+
 def test_does_not_fit_flagged_and_recommendation_changes(capsys):
     args = ["--student", str(DOC_CONFIGS / "llama-3.1-8b"), "--teacher", str(DOC_CONFIGS / "llama-3.1-70b"),
             "--nodes", "2", "--gpus_per_node", "8", "--seq_len", "4096", "--micro_batch", "1"]

@@ -1,7 +1,8 @@
 """The memory planner behind `trl-distill plan` (its command line: `cli/plan.py`): per-GPU memory
-of a distillation run, estimated for five setups (ours: ZeRO-2 student + ZeRO-3 teacher; TRL's replicated teacher
-with full logits; ZeRO-3 for both; ours with the teacher's parameters or the student's optimizer on CPU), and the
-cheapest one that fits. S and T: a model directory, a config.json or a count (`8B`). See docs/planner.md.
+of a distillation run, estimated for six setups (ours: ZeRO-2 student + ZeRO-3 teacher; TRL's replicated teacher
+with full logits; ZeRO-3 for both; ours with the teacher's parameters or the student's optimizer on CPU; the teacher
+served by vLLM elsewhere, 0 teacher bytes here), and the cheapest one that fits. S and T: a model directory, a
+config.json or a count (`8B`). See docs/planner.md.
 """
 
 from __future__ import annotations
@@ -33,8 +34,12 @@ CONFIGS = {
     "zero3": ("ZeRO-3 student + ZeRO-3 teacher, chunked loss", dict(student_stage=3, teacher="zero3")),
     "offload_teacher": ("ours + teacher parameters on CPU", dict(student_stage=2, teacher="offload")),
     "offload_optimizer": ("ours + student optimizer on CPU", dict(student_stage=2, teacher="zero3", offload_opt=True)),
+    "served": ("ZeRO-2 student + teacher served by vLLM elsewhere (--teacher_server), top-k loss",
+               dict(student_stage=2, teacher="served")),
 }
-# Cheapest first: least communication, then the least PCIe traffic; "replicated" (TRL's) is never recommended.
+SERVED_TOP_K = 64  # --teacher_server_top_k's default: ids (int64) and log-probs (fp32) per loss token
+# Cheapest first: least communication, then the least PCIe traffic; "replicated" (TRL's) is never recommended, nor
+# "served" (it needs a vLLM server on other GPUs: the recommendation names it only when nothing else fits).
 PREFERENCE = ("ours", "zero3", "offload_optimizer", "offload_teacher")
 
 
@@ -170,7 +175,7 @@ def layer_activations(spec: ModelSpec, tokens: int) -> int:
     return tokens * (4 * spec.hidden + 2 * q + 2 * kv + 4 * spec.intermediate)
 
 
-def activation_bytes(student: ModelSpec, teacher: ModelSpec, s: Settings, step_pass: bool = True) -> int:
+def activation_bytes(student: ModelSpec, teacher: ModelSpec | None, s: Settings, step_pass: bool = True) -> int:
     """Student activations (all layers, or with checkpointing each layer's input plus one recomputed layer), or
     the frozen teacher's one-layer working set if larger: over the rows it runs at once (`Settings.teacher_rows`)
     with the once-per-step pass, which runs before the student's forward; over one micro-batch otherwise (then with
@@ -182,6 +187,8 @@ def activation_bytes(student: ModelSpec, teacher: ModelSpec, s: Settings, step_p
     else:
         kept = student.layers * per_layer
     kept += 2 * tokens * student.hidden  # embedding output, final norm output (the loss's input)
+    if teacher is None:  # a served teacher runs elsewhere
+        return kept * DTYPE_BYTES[s.dtype]
     if step_pass:
         return max(kept, layer_activations(teacher, s.teacher_rows * s.seq_len)) * DTYPE_BYTES[s.dtype]
     return (max(kept, layer_activations(teacher, tokens)) + tokens * teacher.hidden) * DTYPE_BYTES[s.dtype]
@@ -216,18 +223,20 @@ def estimate(student: ModelSpec, teacher_spec: ModelSpec, s: Settings, student_s
     b, n = DTYPE_BYTES[s.dtype], s.gpus
     shard = -(-student.params // n)
     rows = dict.fromkeys(ROWS, 0)
-    held = {"zero3": zero3_shard(teacher_spec, n), "replicated": teacher_spec.params, "offload": 0}[teacher]
-    rows["teacher_params"] = held * b
+    held = {"zero3": zero3_shard(teacher_spec, n), "replicated": teacher_spec.params, "offload": 0, "served": 0}
+    rows["teacher_params"] = held[teacher] * b
     rows["student_params"] = (zero3_shard(student, n) if student_stage == 3 else student.params) * b
     bucket = student.hidden**2 * b  # reduce_bucket_size "auto" = h^2
     rows["student_grads"] = bucket + (0 if offload_opt else shard * (b + FP32_GRAD_BYTES))
     rows["optimizer"] = 0 if offload_opt else shard * OPTIMIZER_BYTES[s.optimizer]
-    gathered = zero3_gathered(teacher_spec) if teacher != "replicated" else 0
+    gathered = zero3_gathered(teacher_spec) if teacher in ("zero3", "offload") else 0
     rows["gather_buffers"] = (gathered + (zero3_gathered(student) if student_stage == 3 else 0)) * b
     step_pass = teacher != "replicated"  # TRL runs its teacher per micro-batch
-    rows["activations"] = activation_bytes(student, teacher_spec, s, step_pass)
+    rows["activations"] = activation_bytes(student, None if teacher == "served" else teacher_spec, s, step_pass)
     rows["logits_loss"] = logits_bytes(student, s, chunked)
-    rows["teacher_step"] = teacher_step_bytes(teacher_spec, s) if step_pass else 0
+    if teacher == "served":  # no teacher here: each micro-batch's top-k signal arrives with the batch
+        rows["logits_loss"] += s.micro_batch * s.seq_len * SERVED_TOP_K * (8 + 4)
+    rows["teacher_step"] = teacher_step_bytes(teacher_spec, s) if teacher in ("zero3", "offload") else 0
     return rows
 
 
@@ -247,7 +256,9 @@ def deepspeed_estimates(student: ModelSpec, teacher: ModelSpec, s: Settings, nam
     else:
         student_gpu = zero2(student.params, cpu_offload=opts.get("offload_opt", False), **hw)[1]
     mode = opts.get("teacher", "zero3")
-    if mode == "replicated":
+    if mode == "served":
+        teacher_gpu = 0
+    elif mode == "replicated":
         teacher_gpu = zero2(teacher.params, cpu_offload=True, **hw)[1]
     else:
         teacher_gpu = zero3(teacher.params, teacher.largest_layer, cpu_offload=True,
@@ -344,11 +355,14 @@ def format_plan(result: dict) -> str:
 
 def recommendation_text(result: dict) -> str:
     rec = result["recommendation"]
+    served = result["configs"]["served"]
+    elsewhere = (f" Or serve the teacher with vLLM on other GPUs (--teacher_server): {served['total'] / GIB:.2f} GiB "
+                 "per GPU here (the `served` column)." if served["fits"] else "")
     if rec["config"] is None:
-        return "Recommendation: nothing fits, even at micro batch 1 with gradient checkpointing. Add GPUs."
+        return f"Recommendation: nothing fits, even at micro batch 1 with gradient checkpointing. Add GPUs.{elsewhere}"
     text = f"Recommendation: {rec['config']} ({result['configs'][rec['config']]['description']})"
     total = f"{rec['total'] / GIB:.2f} GiB per GPU"
     if rec["settings"]:
         knobs = ", ".join(f"--{k} {v}" for k, v in rec["settings"].items())
-        return f"Nothing fits as given. {text}, {total} with {knobs}."
+        return f"Nothing fits as given. {text}, {total} with {knobs}.{elsewhere}"
     return f"{text}, {total}."

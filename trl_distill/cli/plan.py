@@ -1,4 +1,4 @@
-"""`trl-distill plan`: the per-GPU memory of a distillation run, five ways (see `trl_distill.plan`)."""
+"""`trl-distill plan`: the per-GPU memory of a distillation run, six ways (see `trl_distill.plan`)."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def build_parser():
     from transformers import HfArgumentParser
 
     return HfArgumentParser((PlanArguments, ModelShapeArguments), prog="trl-distill plan",
-                            description="Estimate the per-GPU memory of a distillation run, five ways.",
+                            description="Estimate the per-GPU memory of a distillation run, six ways.",
                             epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
