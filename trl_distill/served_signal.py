@@ -66,9 +66,10 @@ class ServedTeacherSignal:
         limit = next(entry for entry in served if entry["id"] == self.client.model).get("max_model_len")
         if limit is not None and max_length is not None and limit <= max_length:
             raise ValueError(f"The teacher server {url} takes at most {limit} tokens per request (its --max-model-len);"
-                             f" this run's rows have up to max_length {max_length} (+1 for the completion vLLM "
-                             f"generates): restart it with --max-model-len {max_length + 1} or more, or lower "
-                             "--max_length.")
+                             f" this run's rows have up to max_length {max_length}, and vLLM generates one token "
+                             f"after each: restart it with --max-model-len {max_length + 1} (past the model's own "
+                             "context vLLM wants VLLM_ALLOW_LONG_MAX_MODEL_LEN=1; that position only holds the token "
+                             f"we discard), or train with --max_length {limit - 1}.")
         if not 1 <= self.top_k <= vocab_size:
             raise ValueError(f"The served teacher's top_k must be in [1, the vocabulary size {vocab_size}], got "
                              f"{self.top_k}.")

