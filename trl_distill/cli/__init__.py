@@ -6,6 +6,7 @@
     trl-distill plan --student S --teacher T --nodes 2 --gpus_per_node 8 --gpu_memory_gb 80   # memory per GPU
     trl-distill cache-teacher --teacher_cache DIR --cache_top_k 64 [the training flags]   # teacher top-k, once
     trl-distill --teacher_cache DIR [the training flags]            # then train students without the teacher
+    trl-distill --teacher_server URL [the training flags]           # the teacher served by vLLM (`vllm serve`)
 
 Runs under `accelerate launch --config_file configs/...yaml`, `torchrun` and plain `python -m trl_distill`. Every
 command parses dataclasses with transformers' `HfArgumentParser` (TRL's `TrlParser` for training, so every
