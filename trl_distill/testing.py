@@ -71,6 +71,26 @@ def build_tokenizer(vocab_size: int = 256, corpus: list[str] | None = None) -> P
     return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHAT_TEMPLATE, **SPECIAL_TOKENS)
 
 
+def build_sentencepiece_style_tokenizer(vocab_size: int = 300, corpus: list[str] | None = None
+                                       ) -> PreTrainedTokenizerFast:
+    """A Llama-2-style tokenizer trained locally: BPE over ``▁``-marked words with byte fallback (characters it
+    never saw become ``<0xAB>`` byte tokens), the other family from `build_tokenizer`'s byte-level BPE."""
+    if corpus is None:
+        corpus = [r["prompt"] + r["completion"] for r in synthetic_prompt_completion(256, seed=1234)]
+    tok = Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS["unk_token"], byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Metaspace(), decoders.ByteFallback(), decoders.Fuse()])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS.values()),
+                                  show_progress=False)
+    tok.train_from_iterator(corpus, trainer=trainer)
+    state = json.loads(tok.to_str())  # the 256 byte tokens join the model's vocabulary, as in Llama 2's
+    vocab = state["model"]["vocab"]
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(state)), chat_template=CHAT_TEMPLATE,
+                                  **SPECIAL_TOKENS)
+
+
 def tiny_llama_config(tokenizer: PreTrainedTokenizerFast, size: str = "student", **overrides) -> LlamaConfig:
     """A Llama config sized `"teacher"` (larger) or `"student"`; parameter counts are even, so ZeRO-3 splits
     every tensor exactly in half across two ranks."""

@@ -1,0 +1,186 @@
+"""Cross-tokenizer groundwork: alignment of two tokenizations on hard text, the shared vocabulary by bytes, and the
+per-group loss against TRL's GOLD `ULDLoss` where the two define the same quantity."""
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trl_distill.cross_tokenizer import (
+    CrossTokenizerLoss,
+    align_offsets,
+    align_text,
+    cross_tokenizer_divergence,
+    shared_vocabulary,
+    token_bytes,
+    uld_distance,
+)
+from trl_distill.divergences import LOSS_TYPES, per_token_divergence
+from trl_distill.testing import build_sentencepiece_style_tokenizer, build_tokenizer
+
+CORPUS = ["the small teacher reads the long book", "a student writes the short answer", "café naïve"] * 20
+HARD_TEXTS = [
+    "naïve café — 😀 emoji, ünïcödé",
+    "a   b\t\tc\n\nd    ",
+    "  leading and trailing spaces  ",
+    "the small teacher => teacher small the",
+    "</s> a special token's text, mid-sentence </s>",
+    "字节回退: 漢字 and ÅÆØ",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    """Byte-level BPE of two sizes on two corpora (other merges), and a SentencePiece-style one (▁, byte
+    fallback), the other tokenizer family."""
+    return {"bpe": build_tokenizer(vocab_size=400),
+            "bpe_other": build_tokenizer(vocab_size=300, corpus=CORPUS),
+            "spm": build_sentencepiece_style_tokenizer(vocab_size=300)}
+
+
+PAIRS = [("bpe", "bpe_other"), ("bpe", "spm"), ("spm", "bpe_other"), ("bpe", "bpe")]
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids="-".join)
+@pytest.mark.parametrize("text", HARD_TEXTS)
+def test_groups_pair_runs_of_tokens_over_the_same_text(tokenizers, pair, text):
+    student, teacher = (tokenizers[name] for name in pair)
+    encoded = [t(text, add_special_tokens=False, return_offsets_mapping=True) for t in (student, teacher)]
+    groups = align_offsets(encoded[0]["offset_mapping"], encoded[1]["offset_mapping"])
+    assert groups
+    for side, enc in zip(("student", "teacher"), encoded, strict=True):
+        ranges = [getattr(g, side) for g in groups]
+        covered = [i for start, stop in ranges for i in range(start, stop)]
+        assert covered == sorted(set(covered)), side  # disjoint, in order
+        wide = [i for i, (a, b) in enumerate(enc["offset_mapping"]) if b > a]
+        assert covered == wide, side  # every token that stands for text is in exactly one group
+    for group in groups:  # both runs decode to the same text (up to the spaces one side leaves out of offsets)
+        texts = [tok.decode(enc["input_ids"][slice(*getattr(group, side))]) for tok, enc, side in
+                 zip((student, teacher), encoded, ("student", "teacher"), strict=True)]
+        assert texts[0].strip() == texts[1].strip(), (group, texts)
+    if pair[0] == pair[1]:  # one token per group, but the byte tokens of one character, which share its offsets
+        offsets = encoded[0]["offset_mapping"]
+        assert all(g.student == g.teacher and len({offsets[i] for i in range(*g.student)}) == 1 for g in groups)
+
+
+def test_byte_fallback_tokens_of_one_character_stay_together(tokenizers):
+    """😀 is four `<0xNN>` tokens on the SentencePiece side (sharing its one character's offsets) and four
+    byte-level tokens on the other: one group of 4 ↔ 4."""
+    student_ids, teacher_ids, groups = align_text(tokenizers["bpe"], tokenizers["spm"], "😀")
+    assert tokenizers["spm"].convert_ids_to_tokens(teacher_ids)[-4:] == ["<0xF0>", "<0x9F>", "<0x98>", "<0x80>"]
+    assert len(groups) == 1 and groups[0].student == (0, len(student_ids)) and groups[0].teacher[1] == len(teacher_ids)
+
+
+def test_a_span_aligns_only_its_characters_and_widens_over_a_token_across_its_edge(tokenizers):
+    text = "prompt: the small teacher"
+    start = text.index("the") + 1  # inside a token: the span widens to that token's start, on both sides
+    _, _, groups = align_text(tokenizers["bpe"], tokenizers["spm"], text, span=(start, len(text)))
+    s_offsets = tokenizers["bpe"](text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    first = s_offsets[groups[0].student[0]]
+    assert first[0] <= start < first[1] or first[0] == start
+    assert s_offsets[groups[-1].student[1] - 1][1] == len(text)
+    assert align_offsets([(0, 2)], [(0, 1), (1, 2)], span=(5, 9)) == []  # nothing there
+
+
+def test_zero_width_tokens_join_no_group_and_one_sided_runs_join_the_next_group():
+    bos = (0, 0)
+    groups = align_offsets([bos, (0, 1), (1, 2), (2, 3)], [(0, 1), (2, 3)])  # the second side skips char 1
+    assert [(g.student, g.teacher) for g in groups] == [((1, 2), (0, 1)), ((2, 4), (1, 2))]
+
+
+def test_shared_vocabulary_matches_by_bytes_across_families(tokenizers):
+    bpe, spm = tokenizers["bpe"], tokenizers["spm"]
+    same = shared_vocabulary(bpe, bpe)
+    assert same.size == len(bpe) and not same.student_only.numel() and not same.teacher_only.numel()
+    assert torch.equal(same.student, same.teacher)
+    cross = shared_vocabulary(bpe, spm, teacher_width=len(spm) + 8)  # 8 padded embedding rows on the teacher
+    pairs = dict(zip(cross.teacher.tolist(), cross.student.tolist(), strict=True))
+    spm_bytes, bpe_bytes = token_bytes(spm), token_bytes(bpe)
+    the = spm.convert_tokens_to_ids("▁the")
+    assert bpe.convert_ids_to_tokens(pairs[the]) == "Ġthe" and spm_bytes[the] == bpe_bytes[pairs[the]] == b" the"
+    fallback = spm.convert_tokens_to_ids("<0xC3>")  # a byte-fallback token ↔ the byte-level token of that byte
+    assert bpe.convert_ids_to_tokens(pairs[fallback]) == "Ã"
+    assert pairs[spm.convert_tokens_to_ids("</s>")] == bpe.convert_tokens_to_ids("</s>")  # specials by content
+    assert set(range(len(spm), len(spm) + 8)) <= set(cross.teacher_only.tolist())
+    assert cross.size + cross.teacher_only.numel() == len(spm) + 8
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_with_one_tokenizer_the_cross_loss_is_the_same_tokenizer_loss(tokenizers, loss_type):
+    tok = tokenizers["bpe"]
+    torch.manual_seed(0)
+    student = torch.randn(12, len(tok), dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(12, len(tok), dtype=torch.float64) * 2
+    loss = CrossTokenizerLoss(shared_vocabulary(tok, tok), loss_type, beta=0.3, skew_alpha=0.2, temperature=2.0)
+    assert loss.weights == (1.0, 0.0)
+    got = loss(student, teacher)
+    want = per_token_divergence(F.log_softmax(student / 2, -1), F.log_softmax(teacher / 2, -1), loss_type,
+                                beta=0.3, skew_alpha=0.2)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    (g_got,), (g_want,) = (torch.autograd.grad(x.sum(), student) for x in (got, want))
+    torch.testing.assert_close(g_got, g_want, atol=1e-6, rtol=0)
+
+
+def test_the_matched_part_is_a_divergence_of_the_renormalised_shared_distributions(tokenizers):
+    """Zero exactly when both put the same relative mass on the shared tokens, whatever the rest holds."""
+    student_tok, teacher_tok = tokenizers["bpe"], tokenizers["spm"]
+    vocab = shared_vocabulary(student_tok, teacher_tok)
+    teacher = torch.randn(5, len(teacher_tok), dtype=torch.float64)
+    student = torch.randn(5, len(student_tok), dtype=torch.float64) * 3
+    student[:, vocab.student] = teacher[:, vocab.teacher] + 1.5  # same shape on the shared tokens, other tail
+    matched, uld = cross_tokenizer_divergence(student, teacher, vocab)
+    torch.testing.assert_close(matched, torch.zeros(5, dtype=torch.float64), atol=1e-12, rtol=0)
+    assert (uld > 0).all()
+
+
+# ---- The oracle: TRL's GOLD ULDLoss (trl.experimental.gold, trl 1.16) ----
+
+def gold_loss(student_tok=None, teacher_tok=None, **settings):
+    from trl.experimental.gold.gold_trainer import ULDLoss
+
+    config = dict(uld_crossentropy_weight=0.0, uld_distillation_weight=1.0, uld_student_temperature=1.0,
+                  uld_teacher_temperature=1.0, uld_skip_student_eos=False, uld_skip_teacher_eos=False,
+                  use_extended_uld=False, uld_token_merge_strategy="observed", beta=0.5)
+    return ULDLoss(types.SimpleNamespace(**{**config, **settings}), student_tok, teacher_tok)
+
+
+def gold_inputs(student_width: int, teacher_width: int, positions: int = 9):
+    """One row each side, every position a label: GOLD's positional mode compares the same positions we pass."""
+    torch.manual_seed(3)
+    student, teacher = torch.randn(1, positions, student_width) * 2, torch.randn(1, positions, teacher_width) * 2
+    labels = torch.zeros(1, positions, dtype=torch.long)
+    return student, teacher, labels
+
+
+def test_plain_uld_equals_golds(tokenizers):
+    student, teacher, labels = gold_inputs(40, 57)
+    want = gold_loss()(student, teacher, labels, labels, labels, labels)
+    got = uld_distance(F.softmax(student[0], -1), F.softmax(teacher[0], -1)).mean()
+    torch.testing.assert_close(got, want.reshape(()), atol=1e-5, rtol=0)
+
+
+def test_the_uld_part_on_unmatched_tokens_equals_golds_hybrid(tokenizers):
+    student_tok, teacher_tok = tokenizers["bpe"], tokenizers["bpe_other"]  # byte-level both: bytes ⇔ strings
+    student, teacher, labels = gold_inputs(len(student_tok), len(teacher_tok))
+    gold = gold_loss(student_tok, teacher_tok, uld_use_hybrid_loss=True, uld_hybrid_matched_weight=0.0,
+                     uld_hybrid_unmatched_weight=1.0)
+    want = gold(student, teacher, labels, labels, labels, labels)
+    vocab = shared_vocabulary(student_tok, teacher_tok)
+    assert 0 < vocab.size < len(teacher_tok)
+    _, uld = cross_tokenizer_divergence(student[0], teacher[0], vocab)
+    torch.testing.assert_close(uld.mean(), want.reshape(()), atol=1e-5, rtol=0)
+    adaptive = CrossTokenizerLoss(vocab).weights  # GOLD's default weights: the shared fraction of the teacher's
+    assert adaptive[0] == pytest.approx(vocab.size / len(teacher_tok)) and sum(adaptive) == pytest.approx(1.0)
+
+
+def test_the_matched_part_with_one_tokenizer_equals_golds_hybrid_jsd(tokenizers):
+    """Every token shared: GOLD's restricted probabilities are whole distributions, so its JSD is ours."""
+    tok = tokenizers["bpe"]
+    student, teacher, labels = gold_inputs(len(tok), len(tok))
+    for beta in (0.0, 0.3, 1.0):
+        gold = gold_loss(tok, tok, uld_use_hybrid_loss=True, uld_hybrid_matched_weight=1.0,
+                         uld_hybrid_unmatched_weight=0.0, beta=beta)
+        want = gold(student, teacher, labels, labels, labels, labels)
+        got = CrossTokenizerLoss(shared_vocabulary(tok, tok), "jsd", beta=beta)(student[0], teacher[0]).mean()
+        torch.testing.assert_close(got, want.reshape(()), atol=1e-5, rtol=0, msg=f"beta {beta}")
