@@ -17,6 +17,7 @@ from trl_distill.cross_tokenizer import (
     uld_distance,
 )
 from trl_distill.divergences import LOSS_TYPES, per_token_divergence
+from trl_distill.losses import LossSettings
 from trl_distill.testing import build_sentencepiece_style_tokenizer, build_tokenizer
 
 CORPUS = ["the small teacher reads the long book", "a student writes the short answer", "café naïve"] * 20
@@ -112,7 +113,8 @@ def test_with_one_tokenizer_the_cross_loss_is_the_same_tokenizer_loss(tokenizers
     torch.manual_seed(0)
     student = torch.randn(12, len(tok), dtype=torch.float64, requires_grad=True)
     teacher = torch.randn(12, len(tok), dtype=torch.float64) * 2
-    loss = CrossTokenizerLoss(shared_vocabulary(tok, tok), loss_type, beta=0.3, skew_alpha=0.2, temperature=2.0)
+    settings = LossSettings(loss_type, beta=0.3, skew_alpha=0.2, temperature=2.0)
+    loss = CrossTokenizerLoss(shared_vocabulary(tok, tok), settings)
     assert loss.weights == (1.0, 0.0)
     got = loss(student, teacher)
     want = per_token_divergence(F.log_softmax(student / 2, -1), F.log_softmax(teacher / 2, -1), loss_type,
@@ -182,5 +184,6 @@ def test_the_matched_part_with_one_tokenizer_equals_golds_hybrid_jsd(tokenizers)
         gold = gold_loss(tok, tok, uld_use_hybrid_loss=True, uld_hybrid_matched_weight=1.0,
                          uld_hybrid_unmatched_weight=0.0, beta=beta)
         want = gold(student, teacher, labels, labels, labels, labels)
-        got = CrossTokenizerLoss(shared_vocabulary(tok, tok), "jsd", beta=beta)(student[0], teacher[0]).mean()
+        loss = CrossTokenizerLoss(shared_vocabulary(tok, tok), LossSettings("jsd", beta=beta))
+        got = loss(student[0], teacher[0]).mean()
         torch.testing.assert_close(got, want.reshape(()), atol=1e-5, rtol=0, msg=f"beta {beta}")

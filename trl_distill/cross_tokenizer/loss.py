@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..divergences import at_temperature, per_token_divergence
+from ..losses import LossSettings
 from .vocabulary import SharedVocabulary
 
 
@@ -36,18 +37,18 @@ def uld_distance(student_probs: Tensor, teacher_probs: Tensor) -> Tensor:
 
 
 def cross_tokenizer_divergence(student_logits: Tensor, teacher_logits: Tensor, vocabulary: SharedVocabulary,
-                               loss_type: str = "forward_kl", *, beta: float = 0.5, skew_alpha: float = 0.1,
-                               temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+                               settings: LossSettings | None = None) -> tuple[Tensor, Tensor]:
     """``(matched, uld)``, each ``[N]``, for student logits ``[N, V_s]`` and teacher logits ``[N, V_t]`` at the
-    same N aligned positions (fp32 or wider)."""
+    same N aligned positions (fp32 or wider); the divergence, its parameters and the temperature from `settings`."""
+    settings = settings or LossSettings()
     dtype = torch.promote_types(student_logits.dtype, torch.float32)
-    s = at_temperature(student_logits.to(dtype), temperature)
-    t = at_temperature(teacher_logits.to(dtype), temperature)
+    s = at_temperature(student_logits.to(dtype), settings.temperature)
+    t = at_temperature(teacher_logits.to(dtype), settings.temperature)
     rows = s.shape[0]
     if vocabulary.size:
         ids = [v.to(s.device) for v in (vocabulary.student, vocabulary.teacher)]
-        matched = per_token_divergence(F.log_softmax(s[:, ids[0]], -1), F.log_softmax(t[:, ids[1]], -1), loss_type,
-                                       beta=beta, skew_alpha=skew_alpha)
+        matched = per_token_divergence(F.log_softmax(s[:, ids[0]], -1), F.log_softmax(t[:, ids[1]], -1),
+                                       settings.divergence, beta=settings.beta, skew_alpha=settings.skew_alpha)
     else:
         matched = s.new_zeros(rows)
     only = [v.to(s.device) for v in (vocabulary.student_only, vocabulary.teacher_only)]
@@ -64,10 +65,7 @@ class CrossTokenizerLoss:
     choice, the shared fraction of the teacher's vocabulary ``|shared| / V_t`` and the rest, ``1 − that``."""
 
     vocabulary: SharedVocabulary
-    loss_type: str = "forward_kl"
-    beta: float = 0.5
-    skew_alpha: float = 0.1
-    temperature: float = 1.0
+    settings: LossSettings = LossSettings()
     matched_weight: float | None = None
     uld_weight: float | None = None
 
@@ -84,8 +82,6 @@ class CrossTokenizerLoss:
 
     def __call__(self, student_logits: Tensor, teacher_logits: Tensor) -> Tensor:
         """``[N]``: the weighted per-group loss."""
-        matched, uld = cross_tokenizer_divergence(student_logits, teacher_logits, self.vocabulary, self.loss_type,
-                                                  beta=self.beta, skew_alpha=self.skew_alpha,
-                                                  temperature=self.temperature)
+        matched, uld = cross_tokenizer_divergence(student_logits, teacher_logits, self.vocabulary, self.settings)
         w_matched, w_uld = self.weights
         return w_matched * matched + w_uld * uld
