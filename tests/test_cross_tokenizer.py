@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from trl_distill.cross_tokenizer import (
     CrossTokenizerLoss,
+    align_example,
     align_offsets,
     align_text,
     cross_tokenizer_divergence,
@@ -187,3 +188,67 @@ def test_the_matched_part_with_one_tokenizer_equals_golds_hybrid_jsd(tokenizers)
         loss = CrossTokenizerLoss(shared_vocabulary(tok, tok), LossSettings("jsd", beta=beta))
         got = loss(student[0], teacher[0]).mean()
         torch.testing.assert_close(got, want.reshape(()), atol=1e-5, rtol=0, msg=f"beta {beta}")
+
+
+# ---- One example, rendered and tokenized by each side its own way ----
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chatml_teacher():
+    """The SentencePiece-style tokenizer with a ChatML template whose markers are special tokens (the student's
+    template marks turns with plain text instead)."""
+    tok = build_sentencepiece_style_tokenizer(vocab_size=300)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    return tok
+
+
+def check_groups(row, student, teacher, completions: list[str], skipped: str = ""):
+    """Each group: both runs decode to the same text, inside one of the completions; positions precede them."""
+    assert row is not None and row.groups
+    for group, s_pos, t_pos in zip(row.groups, row.student_positions, row.teacher_positions, strict=True):
+        assert (s_pos, t_pos) == (group.student[0] - 1, group.teacher[0] - 1)
+        texts = [tok.decode(ids[slice(*rng)]) for tok, ids, rng in ((student, row.student_input_ids, group.student),
+                                                                  (teacher, row.teacher_input_ids, group.teacher))]
+        assert texts[0].strip() == texts[1].strip(), (group, texts)
+        assert any(texts[0].strip() in completion for completion in completions), texts
+    covered = "".join(student.decode(row.student_input_ids[slice(*g.student)]) for g in row.groups)
+    # the whole completion, once (but a first group no position precedes, `skipped`)
+    assert skipped + covered.replace(" ", "") == "".join(completions).replace(" ", "")
+
+
+@pytest.mark.parametrize("completion", [" naïve café 😀 ünïcödé", " a   b\t\tc", " the small teacher"])
+def test_a_prompt_completion_row_aligns_its_completion_only(tokenizers, completion):
+    student, teacher = tokenizers["bpe"], tokenizers["spm"]
+    row = align_example({"prompt": "Q: say it", "completion": completion}, student, teacher)
+    check_groups(row, student, teacher, [completion])
+    assert row.teacher_input_ids[-1] == teacher.eos_token_id and row.student_input_ids[-1] == student.eos_token_id
+    assert row.student_input_ids[:-1] == student("Q: say it" + completion)["input_ids"]
+
+
+def test_a_conversation_aligns_each_assistant_turn_under_each_sides_own_template(tokenizers, chatml_teacher):
+    student = tokenizers["bpe"]
+    messages = [{"role": "user", "content": "hi 😀"}, {"role": "assistant", "content": "hello there, naïve one"},
+                {"role": "user", "content": "again"}, {"role": "assistant", "content": "the   small teacher"}]
+    row = align_example({"messages": messages}, student, chatml_teacher)
+    check_groups(row, student, chatml_teacher, [m["content"] for m in messages if m["role"] == "assistant"])
+    specials = set(chatml_teacher.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]))
+    assert specials <= set(row.teacher_input_ids)  # the teacher's own markers are in its row, in no group
+    assert not any(row.teacher_input_ids[i] in specials for g in row.groups for i in range(*g.teacher))
+    conversational = {"prompt": messages[:1], "completion": messages[1:2]}
+    row = align_example(conversational, student, chatml_teacher)
+    check_groups(row, student, chatml_teacher, [messages[1]["content"]])
+
+
+def test_a_row_that_cannot_be_aligned_is_none(tokenizers):
+    student, teacher = tokenizers["bpe"], tokenizers["spm"]
+    shouting = build_tokenizer(vocab_size=300)
+    shouting.chat_template = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert align_example({"messages": messages}, student, shouting) is None  # its template rewrites the content
+    assert align_example({"text": "x"}, student, teacher) is None  # one token: no position before it
+    text_row = align_example({"text": "the small teacher reads"}, student, teacher)
+    check_groups(text_row, student, teacher, ["the small teacher reads"], skipped="the")

@@ -30,11 +30,12 @@ def _inside(offsets: list[tuple[int, int]], start: int, end: int) -> list[int]:
 
 
 def align_offsets(student_offsets: list[tuple[int, int]], teacher_offsets: list[tuple[int, int]],
-                  span: tuple[int, int] | None = None) -> list[TokenGroup]:
+                  span: tuple[int, int] | None = None, widen: bool = True) -> list[TokenGroup]:
     """The groups of two tokenizations of one text, given each token's character offsets ``(start, end)``, over
     the characters `span` (default: all). A token that crosses the span's edge widens the span to cover it, on
-    both sides, so every group is whole. Empty when the sides share no cut inside the span (never silent: the
-    caller counts such rows)."""
+    both sides, so every group is whole; with ``widen=False`` the span narrows instead, leaving that token out
+    (for a span whose surroundings differ between the sides). Empty when the sides share no cut inside the span
+    (never silent: the caller counts such rows)."""
     student_offsets = [tuple(o) for o in student_offsets]
     teacher_offsets = [tuple(o) for o in teacher_offsets]
     if span is None:
@@ -47,10 +48,15 @@ def align_offsets(student_offsets: list[tuple[int, int]], teacher_offsets: list[
                  for i in kept]
         if not edges:
             return []
-        wider = (min(start, *(a for a, _ in edges)), max(end, *(b for _, b in edges)))
-        if wider == (start, end):
+        if widen:
+            moved = (min(start, *(a for a, _ in edges)), max(end, *(b for _, b in edges)))
+        else:
+            moved = (max([start] + [b for a, b in edges if a < start]), min([end] + [a for a, b in edges if b > end]))
+            if moved[0] >= moved[1]:
+                return []
+        if moved == (start, end):
             break
-        start, end = wider
+        start, end = moved
     student_kept, teacher_kept = tokens
     candidates = sorted({start, end, *(x for a, b in edges for x in (a, b))})
     cuts = [c for c in candidates if not any(a < c < b for a, b in edges)]
