@@ -101,6 +101,29 @@ def test_students_from_either_cache_and_from_the_live_server_get_the_same_losses
     assert events[:3] == ["request", "request", "loss"] and events.count("loss") == 4
 
 
+def test_accumulation_dataloader_workers_and_evaluation_against_the_live_server(served, caches):
+    """Gradient accumulation 2 (a step's two micro-batches requested together) and 2 DataLoader workers (which
+    fetch in the worker) train as from the cache; evaluation scores the eval split through the server too: before
+    any update, over all rows in one batch, its kd_loss is the first step's."""
+    tmp, data = caches["tmp"], synthetic_prompt_completion(ROWS)
+    settings = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, dataloader_num_workers=2)
+    losses = {}
+    for name, teacher in (("ga_cache", dict(teacher_cache=str(caches["server"]))),
+                          ("ga_live", dict(teacher_server=served["url"], teacher_server_top_k=K))):
+        trainer = DistillationTrainer(served["student"], args=run_config(tmp, name, **teacher, **settings),
+                                      train_dataset=data)
+        trainer.train()
+        losses[name] = logged(trainer.state.log_history, "kd_loss")
+    assert list(losses["ga_live"]) == [1, 2, 3, 4]
+    assert max(abs(losses["ga_live"][s] - losses["ga_cache"][s]) for s in losses["ga_cache"]) <= 1e-4
+    whole = dict(per_device_train_batch_size=ROWS, per_device_eval_batch_size=ROWS, max_steps=1, eval_strategy="no")
+    trainer = DistillationTrainer(served["student"], args=run_config(tmp, "eval", teacher_server=served["url"],
+                                  teacher_server_top_k=K, **whole), train_dataset=data, eval_dataset=data)
+    evaluated = trainer.evaluate()["eval_kd_loss"]
+    trainer.train()
+    assert evaluated == pytest.approx(logged(trainer.state.log_history, "kd_loss")[1], rel=1e-5) and evaluated > 0.1
+
+
 def test_a_cache_from_the_server_resumes_byte_identically(served, tmp_path):
     """Python API, default packed encoding: a write stopped after its first shard, run again, equals one that was
     never stopped."""
