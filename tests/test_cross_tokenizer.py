@@ -252,3 +252,27 @@ def test_a_row_that_cannot_be_aligned_is_none(tokenizers):
     assert align_example({"text": "x"}, student, teacher) is None  # one token: no position before it
     text_row = align_example({"text": "the small teacher reads"}, student, teacher)
     check_groups(text_row, student, teacher, ["the small teacher reads"], skipped="the")
+
+
+def test_the_chunked_loss_from_hidden_states_equals_the_full_logits_one(tokenizers):
+    """Chunks of 3 groups through both heads, recomputed in backward: the value and the gradients (student states
+    and lm_head) of the loss on full logits; the teacher gets none."""
+    from trl_distill.cross_tokenizer import chunked_cross_tokenizer_loss
+    from trl_distill.modeling import LMHead
+
+    student_tok, teacher_tok = tokenizers["bpe"], tokenizers["spm"]
+    loss = CrossTokenizerLoss(shared_vocabulary(student_tok, teacher_tok), LossSettings("jsd", beta=0.3,
+                                                                                       temperature=1.5))
+    torch.manual_seed(4)
+    s_states = torch.randn(10, 16, dtype=torch.float64, requires_grad=True)
+    t_states = torch.randn(10, 24, dtype=torch.float64, requires_grad=True)
+    s_weight = torch.randn(len(student_tok), 16, dtype=torch.float64, requires_grad=True)
+    t_weight = torch.randn(len(teacher_tok), 24, dtype=torch.float64)
+    want = loss(s_states @ s_weight.T, t_states @ t_weight.T).sum()
+    got = chunked_cross_tokenizer_loss(s_states, LMHead(s_weight), t_states, LMHead(t_weight), loss, chunk_size=3)
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    want_grads = torch.autograd.grad(want, (s_states, s_weight))
+    got_grads = torch.autograd.grad(got, (s_states, s_weight))
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-8, rtol=1e-6)
+    assert t_states.grad is None

@@ -6,8 +6,9 @@ refused there."""
 
 from .alignment import TokenGroup, align_offsets, align_text
 from .data import AlignedRow, align_example
-from .loss import CrossTokenizerLoss, cross_tokenizer_divergence, uld_distance
+from .loss import CrossTokenizerLoss, chunked_cross_tokenizer_loss, cross_tokenizer_divergence, uld_distance
 from .vocabulary import SharedVocabulary, shared_vocabulary, token_bytes
 
 __all__ = ["AlignedRow", "CrossTokenizerLoss", "SharedVocabulary", "TokenGroup", "align_example", "align_offsets",
-           "align_text", "cross_tokenizer_divergence", "shared_vocabulary", "token_bytes", "uld_distance"]
+           "align_text", "chunked_cross_tokenizer_loss", "cross_tokenizer_divergence", "shared_vocabulary",
+           "token_bytes", "uld_distance"]
