@@ -209,13 +209,19 @@ def chatml_teacher():
 def check_groups(row, student, teacher, completions: list[str], skipped: str = ""):
     """Each group: both runs decode to the same text, inside one of the completions; positions precede them."""
     assert row is not None and row.groups
-    for group, s_pos, t_pos in zip(row.groups, row.student_positions, row.teacher_positions, strict=True):
+    groups = row.groups
+    last = groups[-1]
+    if (row.student_input_ids[last.student[0]], row.teacher_input_ids[last.teacher[0]]) == (student.eos_token_id,
+                                                                                          teacher.eos_token_id):
+        assert last.student[1] == len(row.student_input_ids) and last.teacher[1] == len(row.teacher_input_ids)
+        groups = groups[:-1]  # the two EOS tokens: the completion ends on both sides
+    for group, s_pos, t_pos in zip(groups, row.student_positions, row.teacher_positions, strict=False):
         assert (s_pos, t_pos) == (group.student[0] - 1, group.teacher[0] - 1)
         texts = [tok.decode(ids[slice(*rng)]) for tok, ids, rng in ((student, row.student_input_ids, group.student),
                                                                   (teacher, row.teacher_input_ids, group.teacher))]
         assert texts[0].strip() == texts[1].strip(), (group, texts)
         assert any(texts[0].strip() in completion for completion in completions), texts
-    covered = "".join(student.decode(row.student_input_ids[slice(*g.student)]) for g in row.groups)
+    covered = "".join(student.decode(row.student_input_ids[slice(*g.student)]) for g in groups)
     # the whole completion, once (but a first group no position precedes, `skipped`)
     assert skipped + covered.replace(" ", "") == "".join(completions).replace(" ", "")
 
@@ -226,6 +232,7 @@ def test_a_prompt_completion_row_aligns_its_completion_only(tokenizers, completi
     row = align_example({"prompt": "Q: say it", "completion": completion}, student, teacher)
     check_groups(row, student, teacher, [completion])
     assert row.teacher_input_ids[-1] == teacher.eos_token_id and row.student_input_ids[-1] == student.eos_token_id
+    assert row.groups[-1].student == (len(row.student_input_ids) - 1, len(row.student_input_ids))  # the EOS group
     assert row.student_input_ids[:-1] == student("Q: say it" + completion)["input_ids"]
 
 
@@ -249,7 +256,8 @@ def test_a_row_that_cannot_be_aligned_is_none(tokenizers):
     shouting.chat_template = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     assert align_example({"messages": messages}, student, shouting) is None  # its template rewrites the content
-    assert align_example({"text": "x"}, student, teacher) is None  # one token: no position before it
+    one = align_example({"text": "x"}, student, teacher)  # "x" has no position before it: only the EOS group
+    assert [g.student for g in one.groups] == [(1, 2)] and one.student_input_ids[1] == student.eos_token_id
     text_row = align_example({"text": "the small teacher reads"}, student, teacher)
     check_groups(text_row, student, teacher, ["the small teacher reads"], skipped="the")
 

@@ -128,7 +128,11 @@ def test_tokenizer_mismatch(tiny_pair, tmp_path):
     other = AutoTokenizer.from_pretrained(tiny_pair["student"])
     other.add_tokens(["<teacher-only>"])  # the teacher's tokenizer knows a token the student's does not
     other.save_pretrained(teacher)
-    with pytest.raises(ValueError, match="Student and teacher tokenizers differ"):
+    with pytest.raises(ValueError, match="Student and teacher tokenizers differ"):  # told not to distil across
+        DistillationTrainer(tiny_pair["student"], str(teacher), args=_config(tmp_path, cross_tokenizer=False),
+                            train_dataset=synthetic_prompt_completion(4))
+    # by default another tokenizer means cross-tokenizer distillation; this one is not even the teacher's own
+    with pytest.raises(ValueError, match="The teacher's tokenizer has 261 tokens but the teacher's lm_head only 260"):
         DistillationTrainer(tiny_pair["student"], str(teacher), args=_config(tmp_path),
                             train_dataset=synthetic_prompt_completion(4))
 

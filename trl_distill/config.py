@@ -100,6 +100,25 @@ class DistillationConfig(SFTConfig):
             "where the cache is written."
         },
     )
+    teacher_tokenizer_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "The teacher's tokenizer (default: the one saved with the teacher). When it maps tokens to "
+                  "other ids than the student's, training switches to cross-tokenizer distillation by itself."},
+    )
+    cross_tokenizer: bool | None = field(
+        default=None,
+        metadata={"help": "Cross-tokenizer distillation: each model reads its own tokens of the same text, the loss "
+                  "compares them on aligned groups (the divergence on the tokens both vocabularies hold, Universal "
+                  "Logit Distillation on the rest). None: on when the tokenizers differ; True forces it."},
+    )
+    cross_tokenizer_matched_weight: float | None = field(
+        default=None,
+        metadata={"help": "Weight of the divergence on the shared tokens. None (with the ULD weight None): the shared "
+                  "fraction of the teacher's vocabulary, as TRL's GOLD does."},
+    )
+    cross_tokenizer_uld_weight: float | None = field(
+        default=None, metadata={"help": "Weight of the ULD term on the tokens only one side has. None: 1 - matched."}
+    )
     teacher_server: str | None = field(
         default=None,
         metadata={

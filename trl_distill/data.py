@@ -109,6 +109,11 @@ def student_tokenizer(model, dataset):
     """The student's tokenizer, loaded only when a conversational dataset needs its chat template early."""
     if dataset is None or isinstance(dataset, dict) or "messages" not in (dataset.column_names or []):
         return None
+    return tokenizer_of(model)
+
+
+def tokenizer_of(model):
+    """The tokenizer saved with `model` (a path, or a model loaded from one); None when it names no source."""
     from transformers import AutoTokenizer
 
     source = model if isinstance(model, str) else getattr(model.config, "_name_or_path", None)

@@ -102,6 +102,8 @@ class TeacherStepPass:
         trainer, args = self.trainer, self.trainer.args
         if not (args.teacher_step_pass and batch_samples and isinstance(trainer.teacher, Teacher)):
             return False
+        if trainer.cross is not None:  # another tokenizer: the teacher reads its own ids, per micro-batch
+            return False
         if completion_source(args.lmbda, args.seq_kd, args.seed, trainer.state.global_step) != DATASET:
             return False  # sampled completions: the teacher runs on them, micro-batch by micro-batch
         why = plain_rows(batch_samples)

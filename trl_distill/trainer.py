@@ -16,7 +16,22 @@ from . import compat  # the private library APIs we use, each in one named funct
 from .cache.reader import ROW, TeacherCache, train_from_cache
 from .checkpoints import mark_complete, resume_point, run_record
 from .config import DistillationConfig, as_distillation_config
-from .data import drop_unanswered_conversations, log_skipped_rows, resolve_assistant_only_loss, student_tokenizer
+from .cross_tokenizer.training import COLUMNS as CROSS_COLUMNS
+from .cross_tokenizer.training import (
+    CrossRows,
+    CrossTokenizer,
+    load_teacher_tokenizer,
+    pop_cross_batch,
+    teacher_inputs,
+    wants_cross_tokenizer,
+)
+from .data import (
+    drop_unanswered_conversations,
+    log_skipped_rows,
+    resolve_assistant_only_loss,
+    student_tokenizer,
+    tokenizer_of,
+)
 from .deepspeed_config import print_engine_configs
 from .logit_check import probe_inputs, settle_logit_paths
 from .losses import DenseTeacherSignal, LossSettings, fused_loss, select_loss_rows
@@ -86,6 +101,13 @@ class DistillationTrainer(SFTTrainer):
         self.teacher, source = resolve_teacher(teacher_model, args, eval_dataset, model, peft_config)
         self.teacher_cache = source if isinstance(source, TeacherCache) else None
         self.served_teacher = source if isinstance(source, ServedTeacherSignal) else None
+        self.cross = None  # a teacher with another tokenizer (`cross_tokenizer.training`), decided before the data
+        if isinstance(self.teacher, Teacher):
+            teacher_tokenizer = load_teacher_tokenizer(args, self.teacher)
+            mine = processing_class or tokenizer_of(model) if teacher_tokenizer is not None else None
+            if mine is not None and wants_cross_tokenizer(args, mine, teacher_tokenizer):
+                processing_class = mine
+                self.cross = CrossTokenizer(processing_class, teacher_tokenizer, args)
         if args.assistant_only_loss is None:
             processing_class = processing_class or student_tokenizer(model, train_dataset)
             args.assistant_only_loss = resolve_assistant_only_loss(None, train_dataset, processing_class)
@@ -113,10 +135,14 @@ class DistillationTrainer(SFTTrainer):
             self.teacher = SelfTeacher(self.model)
         elif self.teacher is not None and not {"dtype", "torch_dtype"} & set(self.teacher.init_kwargs):
             self.teacher.init_kwargs["dtype"] = student.dtype
-        teacher_config = student.config if self.teacher is None else self.teacher.config
+        teacher_config = student.config if self.teacher is None or self.cross else self.teacher.config
         try:
             self.vocab_size = shared_vocab_size(student.config, teacher_config, self.processing_class)
-            if self.teacher_cache is not None:
+            if self.cross is not None:
+                self.cross.build_loss(self.vocab_size, self.teacher.config.get_text_config().vocab_size,
+                                      self.loss_settings)
+                self.data_collator = self.cross.collator(self.data_collator)
+            elif self.teacher_cache is not None:
                 train_from_cache(self, self.teacher_cache)
             elif self.served_teacher is not None:
                 train_from_server(self, self.served_teacher)
@@ -204,6 +230,14 @@ class DistillationTrainer(SFTTrainer):
         super()._set_signature_columns_if_needed()
         if self.teacher_cache is not None:
             compat.keep_dataset_column(self, ROW)  # each row's index into the cache
+        for column in CROSS_COLUMNS if self.cross is not None else ():
+            compat.keep_dataset_column(self, column)  # the teacher's ids and the aligned groups
+
+    def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
+        dataset = super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
+        if self.cross is not None:  # each row, rendered and tokenized the teacher's way too, and aligned
+            dataset = self.cross.add_columns(dataset, dataset_name)
+        return dataset
 
     def get_train_dataloader(self):
         return self._with_teacher(super().get_train_dataloader())  # after `train()`'s free_memory(), on every rank
@@ -248,7 +282,7 @@ class DistillationTrainer(SFTTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """``alpha * KD + (1 - alpha) * CE`` over completion tokens, normalised like the HF Trainer's loss."""
         args = self.args
-        cached = pop_signal(inputs)
+        cached, cross = pop_signal(inputs), pop_cross_batch(inputs)
         model_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
         target, mask = loss_tokens(inputs)
         # Sequence positions with a loss token in some row: the only ones either model projects (position t
@@ -256,9 +290,12 @@ class DistillationTrainer(SFTTrainer):
         keep = mask.any(0).nonzero().squeeze(1)
         mask, target = mask[:, keep], target[:, keep]
         if self._logit_paths is None:
-            self._settle_logit_paths(model, model_inputs, mask)
+            self._settle_logit_paths(model, model_inputs, mask, None if cross is None else teacher_inputs(cross))
         teacher = self.teacher_step.take(inputs) if self.model.training else None  # computed ahead for the step
-        if cached is None and teacher is None:  # (a cache or a server: the teacher's top-k comes with the batch)
+        if cross is not None:  # the teacher reads its own ids; its states at the aligned groups
+            teacher = self.cross.teacher_rows(self.teacher, cross, mask, keep)
+            check_teacher_finite(teacher.states, self.accelerator, self.state.global_step + 1)
+        elif cached is None and teacher is None:  # (a cache or a server: the teacher's top-k comes with the batch)
             # Every rank runs every teacher forward, even with no loss token: ZeRO-3 gathers are collective.
             teacher = self.teacher.features(model_inputs, keep)
             check_teacher_finite(teacher.states, self.accelerator, self.state.global_step + 1)
@@ -281,16 +318,23 @@ class DistillationTrainer(SFTTrainer):
             return loss, {"kd_loss": kd.detach(), "ce_loss": ce.detach()}
         return loss
 
-    def _settle_logit_paths(self, model, model_inputs: dict, mask: torch.Tensor) -> None:
+    def _settle_logit_paths(self, model, model_inputs: dict, mask: torch.Tensor,
+                            teacher_inputs: dict | None = None) -> None:
         """Once, on the first batch: check each model's fused logits against its own and pick its path (see
-        `trl_distill.logit_check`); rank 0 says which path each model takes."""
+        `trl_distill.logit_check`); rank 0 says which path each model takes. A teacher with another tokenizer is
+        checked on its own ids (`teacher_inputs`)."""
         student = self.accelerator.unwrap_model(model)
         student = student.get_base_model() if hasattr(student, "get_base_model") else student
-        candidates = [("student", model, student)]
+        candidates = [("student", model, student, model_inputs)]
         if self.teacher is not None and not isinstance(self.teacher, SelfTeacher):  # self: the student's own base
-            candidates.append(("teacher", self.teacher.engine, self.teacher.module))
-        self._logit_paths = settle_logit_paths(candidates, probe_inputs(model_inputs), self.accelerator,
-                                               mixed_precision=self.args.bf16 or self.args.fp16)
+            candidates.append(("teacher", self.teacher.engine, self.teacher.module, teacher_inputs or model_inputs))
+        mixed = self.args.bf16 or self.args.fp16
+        if teacher_inputs is None:
+            self._logit_paths = settle_logit_paths([c[:3] for c in candidates], probe_inputs(model_inputs),
+                                                   self.accelerator, mixed_precision=mixed)
+        else:  # each model on its own tokens
+            self._logit_paths = [path for *candidate, inputs in candidates for path in settle_logit_paths(
+                [tuple(candidate)], probe_inputs(inputs), self.accelerator, mixed_precision=mixed)]
         if self.accelerator.is_main_process:
             for path in self._logit_paths:
                 print(path.describe(self.vocab_size, int(mask.shape[0] * mask.shape[1])), flush=True)
@@ -304,6 +348,8 @@ class DistillationTrainer(SFTTrainer):
         with gathered(*(p for head in heads for p in head.params)):
             if cached is not None:
                 signal = SparseSignalChunks(cached, len(labels), settings.vocab_size)
+            elif isinstance(teacher, CrossRows):  # another tokenizer: the per-group loss, 0 off the groups
+                signal = self.cross.signal(teacher, settings)
             else:
                 if isinstance(teacher, TeacherRows):  # computed ahead, at exactly these rows
                     t_rows = teacher.states

@@ -5,8 +5,10 @@ its own special tokens (and its own EOS after them); conversations through its o
 text is the same on both sides (the whole text, the completion, or each assistant message's content), found in
 each rendering and aligned there (`alignment`), so template markers on one side only never enter a group. Per
 group, the loss compares the two models' next-token distributions at the token before the group's first token:
-``student_positions[j]`` and ``teacher_positions[j]``. A completion neither side can align (no common cut in it, or
-a chat template that does not render an assistant message verbatim) gives None: the caller counts such rows.
+``student_positions[j]`` and ``teacher_positions[j]``. Plain text and prompt–completion rows end with both EOS
+tokens, one more group (the same event: the completion ends). A completion neither side can align (no common cut
+in it, or a chat template that does not render an assistant message verbatim) gives None: the caller counts such
+rows.
 """
 
 from __future__ import annotations
@@ -68,12 +70,13 @@ def _tokenize(tokenizer, text: str, chat: bool) -> tuple[list[int], list[tuple[i
 def align_example(example: dict, student_tokenizer, teacher_tokenizer) -> AlignedRow | None:
     """`example` (a raw text, prompt–completion or conversational row, without SFT's added EOS) tokenized by both
     and its completion aligned; None where that is impossible."""
-    sides = []
+    sides, rendered_texts = [], []
     for tokenizer in (student_tokenizer, teacher_tokenizer):
         rendered = render(example, tokenizer)
         if rendered is None:
             return None
         text, spans, chat = rendered
+        rendered_texts.append(rendered)
         sides.append((*_tokenize(tokenizer, text, chat), spans))
     (s_ids, s_offsets, s_spans), (t_ids, t_offsets, t_spans) = sides
     if len(s_spans) != len(t_spans):
@@ -84,6 +87,10 @@ def align_example(example: dict, student_tokenizer, teacher_tokenizer) -> Aligne
         s_local = [(a - s_start, b - s_start) if b > a else (a, a) for a, b in s_offsets]
         t_local = [(a - t_start, b - t_start) if b > a else (a, a) for a, b in t_offsets]
         groups += align_offsets(s_local, t_local, span=(0, s_end - s_start), widen=False)
+    s_end, t_end = (len(text) for text, _, _ in rendered_texts)
+    if not chat and s_spans[-1][1] == s_end and t_spans[-1][1] == t_end and s_offsets[-1] == (s_end, s_end) \
+            and t_offsets[-1] == (t_end, t_end):  # both EOS tokens end the completion: the same event
+        groups.append(TokenGroup((len(s_ids) - 1, len(s_ids)), (len(t_ids) - 1, len(t_ids))))
     groups = [g for g in groups if g.student[0] > 0 and g.teacher[0] > 0]  # a position must precede the group
     if not groups:
         return None

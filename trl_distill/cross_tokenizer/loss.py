@@ -48,6 +48,13 @@ def cross_tokenizer_divergence(student_logits: Tensor, teacher_logits: Tensor, v
     dtype = torch.promote_types(student_logits.dtype, torch.float32)
     s = at_temperature(student_logits.to(dtype), settings.temperature)
     t = at_temperature(teacher_logits.to(dtype), settings.temperature)
+    return divergence_at_temperature(s, t, vocabulary, settings)
+
+
+def divergence_at_temperature(s: Tensor, t: Tensor, vocabulary: SharedVocabulary,
+                              settings: LossSettings) -> tuple[Tensor, Tensor]:
+    """`cross_tokenizer_divergence` of logits already divided by the temperature (or of log-probabilities at it:
+    both are shift-invariant here)."""
     rows = s.shape[0]
     if vocabulary.size:
         ids = [v.to(s.device) for v in (vocabulary.student, vocabulary.teacher)]
@@ -86,7 +93,10 @@ class CrossTokenizerLoss:
 
     def __call__(self, student_logits: Tensor, teacher_logits: Tensor) -> Tensor:
         """``[N]``: the weighted per-group loss."""
-        matched, uld = cross_tokenizer_divergence(student_logits, teacher_logits, self.vocabulary, self.settings)
+        return self.combine(*cross_tokenizer_divergence(student_logits, teacher_logits, self.vocabulary,
+                                                        self.settings))
+
+    def combine(self, matched: Tensor, uld: Tensor) -> Tensor:
         w_matched, w_uld = self.weights
         return w_matched * matched + w_uld * uld
 

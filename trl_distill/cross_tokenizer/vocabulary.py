@@ -70,12 +70,16 @@ class SharedVocabulary:
 def shared_vocabulary(student_tokenizer, teacher_tokenizer, student_width: int | None = None,
                       teacher_width: int | None = None) -> SharedVocabulary:
     """The vocabulary the two tokenizers share, for logits `student_width` and `teacher_width` wide (default: the
-    tokenizers' lengths). When several ids of one side stand for the same bytes, the lowest is matched."""
+    tokenizers' lengths). When several ids of one side stand for the same bytes, the lowest is matched. The two
+    EOS tokens match whatever their text: both end a sequence."""
     keys = [token_bytes(tokenizer) for tokenizer in (student_tokenizer, teacher_tokenizer)]
+    eos = [tokenizer.eos_token_id for tokenizer in (student_tokenizer, teacher_tokenizer)]
+    if None not in eos:
+        keys[0][eos[0]] = keys[1][eos[1]] = ("eos",)  # a key no other token has
     widths = [width or len(key) for width, key in zip((student_width, teacher_width), keys, strict=True)]
     teacher_index = {}
     for index, key in enumerate(keys[1]):
-        teacher_index.setdefault(key, index)
+        teacher_index.setdefault(key, index)  # (keys are hashable: bytes, str, or the EOS marker)
     pairs, seen = [], set()
     for index, key in enumerate(keys[0]):
         if key in teacher_index and key not in seen:
