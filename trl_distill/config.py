@@ -42,6 +42,8 @@ class DistillationConfig(SFTConfig):
         ``tvd``. (`loss_type` stays SFT's own field.)
     teacher_cache: train from a cache of the teacher's top-k distribution (`trl-distill cache-teacher`) instead of
         a live teacher.
+    teacher_tokenizer_name_or_path, cross_tokenizer, cross_tokenizer_matched_weight, cross_tokenizer_uld_weight: a
+        teacher with another tokenizer (cross-tokenizer distillation on aligned text, `trl_distill.cross_tokenizer`).
     teacher_server: distil from a teacher served by vLLM at this URL (no teacher in the training processes; its
         top-k per loss token, as from a cache); `teacher_server_top_k` / `_timeout` / `_concurrency` tune it.
     teacher_step_pass, teacher_batch_size: the teacher runs once per optimizer step over all its micro-batches (at
