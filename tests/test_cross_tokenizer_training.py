@@ -151,3 +151,19 @@ def test_a_lora_student_and_a_resumed_run_across_tokenizers(tiny_pair, other_tea
     assert list(runs["resumed"]) == [1, 2, 3, 4]
     for step in (3, 4):
         assert runs["resumed"][step] == pytest.approx(runs["whole"][step], rel=1e-5), step
+
+
+@pytest.mark.distributed  # CLI runs in subprocesses, ~15 s: not in the edit loop
+def test_the_cross_tokenizer_experiment_smoke(tmp_path):
+    """`make experiment-cross` end to end on a few steps: the KD student runs across tokenizers, the SFT one not."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, str(ROOT / "benchmarks/quality/cross_tokenizer_kd.py"), "--smoke", "--output_dir",
+           str(tmp_path / "out"), "--work_dir", str(tmp_path / "work")]
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=300)
+    report = json.loads((tmp_path / "out" / "cross_tokenizer_kd_smoke.json").read_text())
+    assert {(r["method"], r["cross_tokenizer"]) for r in report["runs"]} == {("sft", False), ("kd", True)}
+    assert [set(p) for p in report["pairs"]] == [{"seed", "sft", "kd"}]
+    assert (tmp_path / "out" / "cross_tokenizer_kd_smoke.png").stat().st_size > 1000
