@@ -70,7 +70,7 @@ clean:
 # measured on a fresh clone with the 2 cores partly shared (load average 3).
 .PHONY: experiment experiment-cross
 # Cross-tokenizer KD vs SFT-only (a teacher with a BPE-4096 tokenizer, students with a BPE-2048 one of other merges),
-# 3 seeds: writes benchmarks/quality/results/cross_tokenizer_kd.{json,md,png} and the README table (about 15 minutes)
+# 3 seeds: writes benchmarks/quality/results/cross_tokenizer_kd.{json,md,png} and the README table (about 7 minutes)
 experiment-cross: setup
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality/cross_tokenizer_kd.py
