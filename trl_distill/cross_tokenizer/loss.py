@@ -33,11 +33,15 @@ from .vocabulary import SharedVocabulary
 
 
 def uld_distance(student_probs: Tensor, teacher_probs: Tensor) -> Tensor:
-    """Σ_j |sort(q)_j − sort(p)_j| per row, both sorted decreasingly and zero-padded to the longer: ``[N]``."""
-    width = max(student_probs.shape[-1], teacher_probs.shape[-1])
-    sides = [F.pad(probs.sort(dim=-1, descending=True).values, (0, width - probs.shape[-1]))
-             for probs in (student_probs, teacher_probs)]
-    return (sides[0] - sides[1]).abs().sum(-1)
+    """Σ_j |sort(q)_j − sort(p)_j| per row, both sorted decreasingly and zero-padded to the longer: ``[N]``.
+
+    Past the shorter side's m entries the padded side is 0, so those terms sum to the longer side's mass outside its
+    m largest: only the m largest of each side are sorted (a partial sort of the wider vocabulary)."""
+    m = min(student_probs.shape[-1], teacher_probs.shape[-1])
+    tops = [probs.topk(m, dim=-1).values for probs in (student_probs, teacher_probs)]  # sorted, decreasing
+    rest = sum(probs.sum(-1) - top.sum(-1) for probs, top in zip((student_probs, teacher_probs), tops, strict=True)
+               if probs.shape[-1] > m)
+    return (tops[0] - tops[1]).abs().sum(-1) + rest
 
 
 def cross_tokenizer_divergence(student_logits: Tensor, teacher_logits: Tensor, vocabulary: SharedVocabulary,
@@ -58,13 +62,14 @@ def divergence_at_temperature(s: Tensor, t: Tensor, vocabulary: SharedVocabulary
     rows = s.shape[0]
     if vocabulary.size:
         ids = [v.to(s.device) for v in (vocabulary.student, vocabulary.teacher)]
-        matched = per_token_divergence(F.log_softmax(s[:, ids[0]], -1), F.log_softmax(t[:, ids[1]], -1),
-                                       settings.divergence, beta=settings.beta, skew_alpha=settings.skew_alpha)
+        matched = per_token_divergence(F.log_softmax(s.index_select(1, ids[0]), -1),
+                                       F.log_softmax(t.index_select(1, ids[1]), -1), settings.divergence,
+                                       beta=settings.beta, skew_alpha=settings.skew_alpha)
     else:
         matched = s.new_zeros(rows)
     only = [v.to(s.device) for v in (vocabulary.student_only, vocabulary.teacher_only)]
     if only[0].numel() or only[1].numel():
-        uld = uld_distance(F.softmax(s, -1)[:, only[0]], F.softmax(t, -1)[:, only[1]])
+        uld = uld_distance(F.softmax(s, -1).index_select(1, only[0]), F.softmax(t, -1).index_select(1, only[1]))
     else:
         uld = s.new_zeros(rows)
     return matched, uld
