@@ -97,7 +97,8 @@ def markdown(report: dict) -> str:
     m = report["machine"]
     lines += ["", f"Step time across tokenizers / same tokenizer: **{report['step_time_across_vs_same']:.2f}x** "
               f"(medians of each pair, run same, across, across, same); aligning the data adds "
-              f"{report['setup_seconds_across_minus_same']:+.0f} s of set-up (the fastest run of each pair). {report['steps']} steps of the "
+              f"{max(report['setup_seconds_across_minus_same'], 0.0):.1f} s of set-up (the fastest run of each pair). "
+              f"{report['steps']} steps of the "
               f"quickstart recipe, 2 processes (ZeRO-2 student, ZeRO-3 teacher), median after "
               f"{report['warmup_steps']} warm-up steps; {m['cpus']} CPUs, torch {m['torch']}, {m['date']}."]
     return "\n".join(lines) + "\n"
