@@ -140,7 +140,7 @@ class DistillationTrainer(SFTTrainer):
             self.vocab_size = shared_vocab_size(student.config, teacher_config, self.processing_class)
             if self.cross is not None:
                 self.cross.build_loss(self.vocab_size, self.teacher.config.get_text_config().vocab_size,
-                                      self.loss_settings)
+                                      self.loss_settings, announce=self.accelerator.is_main_process)
                 self.data_collator = self.cross.collator(self.data_collator)
             elif self.teacher_cache is not None:
                 train_from_cache(self, self.teacher_cache)

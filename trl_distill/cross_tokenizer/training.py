@@ -15,6 +15,7 @@ import logging
 import os
 
 import torch
+from accelerate import PartialState
 from torch.nn.utils.rnn import pad_sequence
 
 from ..divergences import at_temperature
@@ -66,7 +67,7 @@ class CrossTokenizer:
                 raise ValueError(f"A teacher with another tokenizer (cross-tokenizer distillation) does not support "
                                  f"{name} yet: the teacher reads its own token ids of the dataset's completions.")
 
-    def build_loss(self, student_vocab: int, teacher_vocab: int, settings: LossSettings) -> None:
+    def build_loss(self, student_vocab: int, teacher_vocab: int, settings: LossSettings, announce: bool = True) -> None:
         if len(self.teacher_tokenizer) > teacher_vocab:
             raise ValueError(f"The teacher's tokenizer has {len(self.teacher_tokenizer)} tokens but the teacher's "
                              f"lm_head only {teacher_vocab} rows: that tokenizer is not the teacher's (set "
@@ -75,9 +76,10 @@ class CrossTokenizer:
         self.loss = CrossTokenizerLoss(vocabulary, settings, self.args.cross_tokenizer_matched_weight,
                                        self.args.cross_tokenizer_uld_weight)
         weights = self.loss.weights
-        logger.warning("trl_distill: the teacher's tokenizer differs from the student's: cross-tokenizer distillation "
-                       "on aligned completion text, %d of the teacher's %d ids shared by bytes (weights: matched "
-                       "%.3g, ULD %.3g).", vocabulary.size, teacher_vocab, *weights)
+        if announce:  # once per run: the main process says it
+            logger.warning("trl_distill: the teacher's tokenizer differs from the student's: cross-tokenizer "
+                           "distillation on aligned completion text, %d of the teacher's %d ids shared by bytes "
+                           "(weights: matched %.3g, ULD %.3g).", vocabulary.size, teacher_vocab, *weights)
 
     # ---- Data ----
 
@@ -105,7 +107,7 @@ class CrossTokenizer:
 
         dataset = dataset.map(columns, num_proc=self.args.dataset_num_proc, desc=f"Aligning {name} for the teacher")
         unaligned = sum(1 for positions in dataset[STUDENT_POSITIONS] if not positions)
-        if unaligned:
+        if unaligned and PartialState().is_main_process:
             logger.warning("trl_distill: %d of %d %s rows have no completion text both tokenizers can align; they "
                            "train on CE only.", unaligned, len(dataset), name)
         return dataset
