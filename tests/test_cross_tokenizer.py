@@ -284,3 +284,24 @@ def test_the_chunked_loss_from_hidden_states_equals_the_full_logits_one(tokenize
     for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, atol=1e-8, rtol=1e-6)
     assert t_states.grad is None
+
+
+def test_groups_land_on_their_own_loss_rows_and_nowhere_else():
+    """A group whose student position is not a loss token, or not among the loss positions at all, is dropped;
+    the others land on the row the loss computes for their position (row-major over the loss tokens)."""
+    from types import SimpleNamespace
+
+    from trl_distill.cross_tokenizer.training import CrossTokenizer
+
+    class Positions:  # the teacher's states are its positions: which ones were asked is visible in the result
+        def features(self, inputs, positions):
+            states = positions.float().reshape(1, -1, 1).expand(2, -1, 1)
+            return SimpleNamespace(states=states, head=None)
+
+    keep = torch.tensor([3, 4, 5])
+    mask = torch.tensor([[True, False, True], [False, True, True]])  # loss rows: (0,3) (0,5) (1,4) (1,5)
+    groups = torch.tensor([[0, 4, 10], [0, 5, 11], [0, 7, 12], [1, 4, 13], [1, 5, 14]])
+    batch = (torch.zeros(2, 16, dtype=torch.long), torch.ones(2, 16, dtype=torch.long), groups)
+    rows = CrossTokenizer.teacher_rows(None, Positions(), batch, mask, keep)
+    assert rows.is_group.tolist() == [False, True, True, True]
+    assert rows.states.squeeze(1).tolist() == [0.0, 11.0, 13.0, 14.0]

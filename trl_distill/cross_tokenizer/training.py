@@ -122,10 +122,14 @@ class CrossTokenizer:
         groups onto the loss's rows (`mask` ``[B, K]`` over the positions `keep`, row-major)."""
         groups = batch[2]
         rows, s_pos, t_pos = (column.contiguous() for column in groups.reshape(-1, 3).unbind(1))
+        column = torch.searchsorted(keep, s_pos).clamp(max=max(keep.numel() - 1, 0))
+        flat = rows * keep.numel() + column
+        # a group counts only where the student has a loss token at its position (never a neighbour's row)
+        valid = (keep[column] == s_pos) & mask.flatten()[flat] if keep.numel() else torch.zeros_like(s_pos, dtype=bool)
+        rows, t_pos, flat = rows[valid], t_pos[valid], flat[valid]
         keep_t = torch.unique(t_pos)
         features = teacher.features(teacher_inputs(batch), keep_t)
         states = features.states[rows, torch.searchsorted(keep_t, t_pos)]
-        flat = rows * keep.numel() + torch.searchsorted(keep, s_pos)
         index = (mask.flatten().cumsum(0) - 1)[flat]
         n = int(mask.sum())
         laid = states.new_zeros(n, states.shape[-1]).index_copy_(0, index, states)
