@@ -102,6 +102,7 @@ class DistillationTrainer(SFTTrainer):
         self.teacher_cache = source if isinstance(source, TeacherCache) else None
         self.served_teacher = source if isinstance(source, ServedTeacherSignal) else None
         self.cross = None  # a teacher with another tokenizer (`cross_tokenizer.training`), decided before the data
+        teacher_tokenizer = None
         if isinstance(self.teacher, Teacher):
             teacher_tokenizer = load_teacher_tokenizer(args, self.teacher)
             mine = processing_class or tokenizer_of(model) if teacher_tokenizer is not None else None
@@ -147,7 +148,7 @@ class DistillationTrainer(SFTTrainer):
             elif self.served_teacher is not None:
                 train_from_server(self, self.served_teacher)
             elif isinstance(self.teacher, Teacher):
-                check_tokenizers_match(self.processing_class, self.teacher.source)
+                check_tokenizers_match(self.processing_class, teacher_tokenizer)  # loaded once, above
             check_dataset_not_empty(self.train_dataset, "train", "prepared", args.max_length)
             evaluation = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
             for name, dataset in evaluation.items():

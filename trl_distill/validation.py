@@ -74,18 +74,12 @@ def refuse_quantization_without_gpu(init_kwargs: dict | str | None, where: str) 
         )
 
 
-def check_tokenizers_match(student_tokenizer, teacher_source) -> None:
-    """When the teacher ships its own tokenizer, it must map tokens to the same ids as the student's: the
-    divergence compares distributions id by id. Skipped when the teacher has no loadable tokenizer."""
+def check_tokenizers_match(student_tokenizer, teacher_tokenizer) -> None:
+    """When the teacher has its own tokenizer and the run does not distil across tokenizers, it must map tokens to
+    the same ids as the student's: the divergence compares distributions id by id. Skipped when either is None."""
     student_tokenizer = getattr(student_tokenizer, "tokenizer", student_tokenizer)
-    if student_tokenizer is None or not isinstance(teacher_source, str) or not hasattr(student_tokenizer, "get_vocab"):
+    if student_tokenizer is None or teacher_tokenizer is None or not hasattr(student_tokenizer, "get_vocab"):
         return
-    from transformers import AutoTokenizer
-
-    try:
-        teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_source)
-    except (OSError, ValueError):
-        return  # no tokenizer saved with the teacher (or offline): nothing to compare
     mine, theirs = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
     if mine == theirs:
         return
