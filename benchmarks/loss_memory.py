@@ -7,8 +7,8 @@ lm_head shape, separate random weights). Student hidden ``[N, H]`` and student l
 teacher's do not (as in TRL's GKD).
 
 * **naive**: ``s_logits = hs @ Ws.T`` and ``t_logits = ht @ Wt.T`` (full ``[N, V]`` logits, kept alive during the
-  backward as a trainer holding the model outputs does), then :func:`trl_distill.losses.divergence`.
-* **chunked**: :func:`trl_distill.losses.chunked_divergence` with its default chunk size.
+  backward as a trainer holding the model outputs does), then :func:`trl_distill.loss.divergences.divergence`.
+* **chunked**: :func:`trl_distill.loss.fused.chunked_divergence` with its default chunk size.
 
 Every measurement runs in a fresh subprocess doing exactly one forward+backward (after a tiny warm-up on small
 shapes, so library initialisation is not counted). Memory = peak RSS high-water mark (``getrusage`` ``ru_maxrss``)
@@ -25,7 +25,6 @@ and marked as extrapolated everywhere. Each subprocess also caps its own address
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import resource
@@ -60,12 +59,8 @@ def worker(spec: dict) -> dict:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    # trl_distill/losses.py only needs torch: load it by path, skipping the package's trainer imports
-    # (transformers, trl: ~6 s per fresh process).
-    mod_spec = importlib.util.spec_from_file_location("_trl_distill_losses", ROOT / "trl_distill" / "losses.py")
-    losses = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(losses)
-    chunked_divergence, divergence = losses.chunked_divergence, losses.divergence
+    from trl_distill.loss.divergences import divergence
+    from trl_distill.loss.fused import chunked_divergence
 
     def step(method: str, hs, ws, ht, wt, mask) -> float:
         if method == "naive":

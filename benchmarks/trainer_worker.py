@@ -31,7 +31,7 @@ import torch
 from _common import step_timer  # benchmarks/_common.py and memory_probe.py (the script's folder)
 from memory_probe import reset_peak_rss
 
-from trl_distill.distributed import teardown_process_group
+from trl_distill.runtime.distributed import teardown_process_group
 from trl_distill.testing import write_rank_record
 
 KIB = 1024
@@ -138,7 +138,7 @@ def run_gkd(spec: dict, rec: dict, data, tokenizer) -> list[float]:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
-    from trl_distill.distributed import prepare_cpu_distributed_state
+    from trl_distill.runtime.distributed import prepare_cpu_distributed_state
 
     class CPUGKDConfig(GKDConfig):
         """GKDConfig with the gloo process-group set-up DeepSpeed needs on a CPU-only machine (nothing else)."""

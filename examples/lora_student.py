@@ -15,7 +15,7 @@ from datasets import load_dataset
 from peft import LoraConfig
 
 from trl_distill import DistillationConfig, DistillationTrainer
-from trl_distill.merge import merge_adapter
+from trl_distill.model.merge import merge_adapter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = os.path.join(HERE, "..", "configs", "deepspeed")

@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM
 from trl import SFTConfig, SFTTrainer
 
 from trl_distill import divergence
-from trl_distill.distributed import free_port
+from trl_distill.runtime.distributed import free_port
 from trl_distill.testing import build_tiny_model, build_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

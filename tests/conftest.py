@@ -6,6 +6,7 @@ import torch
 
 from trl_distill.testing import (
     VLLM_VENV,
+    build_sentencepiece_style_tokenizer,
     build_tiny_model,
     build_tokenizer,
     launch,
@@ -17,6 +18,8 @@ from trl_distill.testing import (
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 SCRIPTS = Path(__file__).parent / "scripts"
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @pytest.fixture(scope="session")
@@ -80,3 +83,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if MULTI_PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.distributed)
+
+
+@pytest.fixture(scope="session")
+def other_teacher(tmp_path_factory) -> str:
+    """A teacher with a SentencePiece-style tokenizer (▁, byte fallback) and a ChatML template whose markers are
+    special tokens: the other family from the tiny students' byte-level BPE."""
+    directory = tmp_path_factory.mktemp("other_teacher")
+    tokenizer = build_sentencepiece_style_tokenizer(vocab_size=300)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHATML
+    build_tiny_model(tokenizer, "teacher", seed=3).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)

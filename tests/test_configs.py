@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from trl_distill.cli import make_parser
-from trl_distill.deepspeed_config import load_deepspeed_config
+from trl_distill.runtime.deepspeed_config import load_deepspeed_config
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 

@@ -17,8 +17,8 @@ from trl_distill.cross_tokenizer import (
     token_bytes,
     uld_distance,
 )
-from trl_distill.divergences import LOSS_TYPES, per_token_divergence
-from trl_distill.losses import LossSettings
+from trl_distill.loss.divergences import LOSS_TYPES, per_token_divergence
+from trl_distill.loss.fused import LossSettings
 from trl_distill.testing import build_sentencepiece_style_tokenizer, build_tokenizer
 
 CORPUS = ["the small teacher reads the long book", "a student writes the short answer", "café naïve"] * 20
@@ -262,38 +262,17 @@ def test_a_row_that_cannot_be_aligned_is_none(tokenizers):
     check_groups(text_row, student, teacher, ["the small teacher reads"], skipped="the")
 
 
-def test_the_chunked_loss_from_hidden_states_equals_the_full_logits_one(tokenizers):
-    """Chunks of 3 groups through both heads, recomputed in backward: the value and the gradients (student states
-    and lm_head) of the loss on full logits; the teacher gets none."""
-    from trl_distill.cross_tokenizer import chunked_cross_tokenizer_loss
-    from trl_distill.modeling import LMHead
-
-    student_tok, teacher_tok = tokenizers["bpe"], tokenizers["spm"]
-    loss = CrossTokenizerLoss(shared_vocabulary(student_tok, teacher_tok), LossSettings("jsd", beta=0.3,
-                                                                                       temperature=1.5))
-    torch.manual_seed(4)
-    s_states = torch.randn(10, 16, dtype=torch.float64, requires_grad=True)
-    t_states = torch.randn(10, 24, dtype=torch.float64, requires_grad=True)
-    s_weight = torch.randn(len(student_tok), 16, dtype=torch.float64, requires_grad=True)
-    t_weight = torch.randn(len(teacher_tok), 24, dtype=torch.float64)
-    want = loss(s_states @ s_weight.T, t_states @ t_weight.T).sum()
-    got = chunked_cross_tokenizer_loss(s_states, LMHead(s_weight), t_states, LMHead(t_weight), loss, chunk_size=3)
-    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
-    want_grads = torch.autograd.grad(want, (s_states, s_weight))
-    got_grads = torch.autograd.grad(got, (s_states, s_weight))
-    for g, w in zip(got_grads, want_grads, strict=True):
-        torch.testing.assert_close(g, w, atol=1e-8, rtol=1e-6)
-    assert t_states.grad is None
-
-
 def test_groups_land_on_their_own_loss_rows_and_nowhere_else():
     """A group whose student position is not a loss token, or not among the loss positions at all, is dropped;
     the others land on the row the loss computes for their position (row-major over the loss tokens)."""
     from types import SimpleNamespace
 
-    from trl_distill.cross_tokenizer.training import CrossTokenizer
+    from trl_distill.teacher.cross_tokenizer import CrossTokenizerTeacher
 
-    class Positions:  # the teacher's states are its positions: which ones were asked is visible in the result
+    class Positions(CrossTokenizerTeacher):  # its states are its positions: which ones were asked shows in the result
+        def __init__(self):
+            self.loss = None
+
         def features(self, inputs, positions):
             states = positions.float().reshape(1, -1, 1).expand(2, -1, 1)
             return SimpleNamespace(states=states, head=None)
@@ -302,6 +281,6 @@ def test_groups_land_on_their_own_loss_rows_and_nowhere_else():
     mask = torch.tensor([[True, False, True], [False, True, True]])  # loss rows: (0,3) (0,5) (1,4) (1,5)
     groups = torch.tensor([[0, 4, 10], [0, 5, 11], [0, 7, 12], [1, 4, 13], [1, 5, 14]])
     batch = (torch.zeros(2, 16, dtype=torch.long), torch.ones(2, 16, dtype=torch.long), groups)
-    rows = CrossTokenizer.teacher_rows(None, Positions(), batch, mask, keep)
+    rows = Positions().teacher_rows(batch, mask, keep)
     assert rows.is_group.tolist() == [False, True, True, True]
     assert rows.states.squeeze(1).tolist() == [0.0, 11.0, 13.0, 14.0]

@@ -10,10 +10,9 @@ import torch
 from datasets import Dataset
 
 from trl_distill import DistillationConfig, DistillationTrainer
-from trl_distill.cross_tokenizer.training import COLUMNS
+from trl_distill.teacher import CrossTokenizerTeacher
+from trl_distill.teacher.cross_tokenizer import COLUMNS
 from trl_distill.testing import (
-    build_sentencepiece_style_tokenizer,
-    build_tiny_model,
     launch,
     logged,
     synthetic_prompt_completion,
@@ -21,22 +20,6 @@ from trl_distill.testing import (
 )
 
 ROOT = Path(__file__).parent.parent
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def other_teacher(tmp_path_factory) -> str:
-    """A teacher with a SentencePiece-style tokenizer (▁, byte fallback) and a ChatML template whose markers are
-    special tokens: the other family from the tiny students' byte-level BPE."""
-    directory = tmp_path_factory.mktemp("other_teacher")
-    tokenizer = build_sentencepiece_style_tokenizer(vocab_size=300)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tokenizer.chat_template = CHATML
-    build_tiny_model(tokenizer, "teacher", seed=3).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return str(directory)
-
 
 def config(tmp_path, name, **overrides) -> DistillationConfig:
     settings = dict(output_dir=str(tmp_path / name), max_steps=4, save_strategy="no", per_device_train_batch_size=4,
@@ -49,7 +32,7 @@ def test_one_tokenizer_forced_across_gives_the_same_tokenizer_losses(tiny_pair, 
     for name, extra in (("same", {}), ("across", {"cross_tokenizer": True})):
         trainer = DistillationTrainer(tiny_pair["student"], args=config(
             tmp_path, name, teacher_model_name_or_path=tiny_pair["teacher"], **extra), train_dataset=data)
-        assert (trainer.cross is not None) == bool(extra)
+        assert isinstance(trainer.teacher, CrossTokenizerTeacher) == bool(extra)
         trainer.train()
         losses[name] = {key: logged(trainer.state.log_history, key) for key in ("loss", "kd_loss", "ce_loss")}
     assert losses["same"]["kd_loss"][1] > 0.01
@@ -65,7 +48,8 @@ def test_another_tokenizer_switches_on_by_itself_and_the_fused_kd_is_the_models_
     with caplog.at_level(logging.WARNING):
         trainer = DistillationTrainer(tiny_pair["student"], args=config(
             tmp_path, "other", teacher_model_name_or_path=other_teacher, loss_chunk_size=7), train_dataset=data)
-    assert trainer.cross is not None and "cross-tokenizer distillation on aligned completion text" in caplog.text
+    assert isinstance(trainer.teacher, CrossTokenizerTeacher)
+    assert "cross-tokenizer distillation on aligned completion text" in caplog.text
     assert set(COLUMNS) <= set(trainer.train_dataset.column_names)
     assert all(trainer.train_dataset[COLUMNS[1]])  # every synthetic row aligns
     trainer.get_train_dataloader()  # prepares the teacher
@@ -77,7 +61,7 @@ def test_another_tokenizer_switches_on_by_itself_and_the_fused_kd_is_the_models_
         student_logits = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         teacher_logits = trainer.teacher.module(input_ids=teacher_ids, attention_mask=teacher_mask).logits
     rows, s_pos, t_pos = groups.unbind(1)
-    per_group = trainer.cross.loss(student_logits[rows, s_pos, : trainer.vocab_size].double(),
+    per_group = trainer.teacher.loss(student_logits[rows, s_pos, : trainer.vocab_size].double(),
                                    teacher_logits[rows, t_pos].double())
     loss_tokens = int((batch["labels"][:, 1:] != -100).sum())
     want = per_group.sum() / loss_tokens * trainer.args.temperature**2
@@ -139,7 +123,8 @@ def test_a_lora_student_and_a_resumed_run_across_tokenizers(tiny_pair, other_tea
                                teacher_model_name_or_path=other_teacher), train_dataset=data,
                                peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     lora.train()
-    assert lora.cross is not None and all(v > 0 for v in logged(lora.state.log_history, "kd_loss").values())
+    assert isinstance(lora.teacher, CrossTokenizerTeacher)
+    assert all(v > 0 for v in logged(lora.state.log_history, "kd_loss").values())
     runs = {}
     for name, resume in (("whole", None), ("first", None), ("resumed", True)):
         out = "first" if name == "resumed" else name

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from trl_distill.deepspeed_config import build_teacher_config, derive_teacher_config, load_deepspeed_config
+from trl_distill.runtime.deepspeed_config import build_teacher_config, derive_teacher_config, load_deepspeed_config
 
 ARGS = SimpleNamespace(
     per_device_train_batch_size=2, per_device_eval_batch_size=8, gradient_accumulation_steps=3, world_size=2,

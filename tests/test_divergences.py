@@ -1,4 +1,4 @@
-"""trl_distill.divergences: the six formulas against float64 references, TRL's GKD oracle, gradcheck."""
+"""trl_distill.loss.divergences: the six formulas against float64 references, TRL's GKD oracle, gradcheck."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from trl_distill.divergences import LOSS_TYPES, divergence, per_token_divergence
+from trl_distill.loss.divergences import LOSS_TYPES, divergence, per_token_divergence
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # trl is imported lazily in the oracle test
 

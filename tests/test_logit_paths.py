@@ -16,7 +16,7 @@ from transformers import (
 )
 
 from trl_distill import DistillationConfig, DistillationTrainer, divergence
-from trl_distill.precision import cpu_supports_bf16
+from trl_distill.model.precision import cpu_supports_bf16
 from trl_distill.testing import build_tokenizer, synthetic_prompt_completion, tiny_run_settings
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -89,7 +89,7 @@ def test_logged_losses_equal_the_models_own_logits(name, tokenizer, tmp_path, ca
     trainer.train()
     logged = trainer.state.log_history[0]
     assert logged["kd_loss"] == pytest.approx(kd, rel=1e-4) and logged["ce_loss"] == pytest.approx(ce, rel=1e-4)
-    paths = {p.name: p for p in trainer._logit_paths}
+    paths = {p.name: p for p in trainer.logit_paths}
     assert {n: "exact" if p.exact else "fused" for n, p in paths.items()} == {"student": expected_path,
                                                                               "teacher": expected_path}
     printed = capsys.readouterr().out
@@ -109,7 +109,7 @@ def test_a_fused_teacher_beside_an_exact_student(tokenizer, tmp_path):
     kd, ce = reference(student, teacher, batch, "jsd", 1.0)
     before = student.lm_head.logit_scale.detach().clone()
     trainer.train()
-    assert [p.exact for p in trainer._logit_paths] == [True, False]
+    assert [p.exact for p in trainer.logit_paths] == [True, False]
     assert trainer.state.log_history[0]["kd_loss"] == pytest.approx(kd, rel=1e-4)
     assert trainer.state.log_history[0]["ce_loss"] == pytest.approx(ce, rel=1e-4)
     assert not torch.equal(student.lm_head.logit_scale, before)  # the exact path trains the head's own scale
@@ -136,6 +136,6 @@ def test_bf16_autocast_keeps_a_softcapped_model_on_the_fused_path(tokenizer, tmp
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(data))])
     kd, ce = reference(models[1], models[0], batch, "forward_kl", args.temperature)
     trainer.train()
-    assert [p.exact for p in trainer._logit_paths] == [False, False]
+    assert [p.exact for p in trainer.logit_paths] == [False, False]
     assert trainer.state.log_history[0]["ce_loss"] == pytest.approx(ce, rel=2e-2)
     assert trainer.state.log_history[0]["kd_loss"] == pytest.approx(kd, rel=5e-2, abs=1e-3)

@@ -1,4 +1,4 @@
-"""trl_distill.losses: the chunked fused loss equals the unchunked one (values, gradients), its memory, edge cases."""
+"""trl_distill.loss.fused: the chunked fused loss equals the unchunked one (values, gradients), memory, edge cases."""
 
 from __future__ import annotations
 
@@ -8,14 +8,12 @@ import torch.nn.functional as F
 from test_divergences import ALPHA, BETA, TEMP, _logits, _mask  # the shared references (tests/ is on sys.path)
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trl_distill.losses import (
-    LOSS_TYPES,
+from trl_distill.loss.divergences import LOSS_TYPES, divergence, per_token_divergence
+from trl_distill.loss.fused import (
     DistillationLossOutput,
     _forward_kl_closed_form,
     chunked_distillation_loss,
     chunked_divergence,
-    divergence,
-    per_token_divergence,
 )
 
 # ----------------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import contextlib
 import torch
 from transformers import AutoModelForCausalLM, CohereConfig, Gemma2Config, LlamaConfig
 
-from trl_distill.modeling import LMHead, add_fused_distillation_forward, gathered, hidden_size
+from trl_distill.model.fused_forward import LMHead, add_fused_distillation_forward, gathered, hidden_size
 from trl_distill.testing import build_tiny_model, build_tokenizer
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from trl_distill.distributed import free_port
+from trl_distill.runtime.distributed import free_port
 from trl_distill.testing import kill_tree, logged, synthetic_prompt_completion
 
 ROOT = Path(__file__).parent.parent

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from trl_distill.precision import cpu_supports_bf16
+from trl_distill.model.precision import cpu_supports_bf16
 from trl_distill.testing import build_tokenizer, launch, synthetic_prompt_completion
 
 ROOT = Path(__file__).parent.parent

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from trl_distill import plan
 from trl_distill.cli.plan import main as plan_main
+from trl_distill.runtime import plan
 from trl_distill.testing import build_tiny_model, build_tokenizer, launch
 
 SCRIPTS = Path(__file__).parent / "scripts"

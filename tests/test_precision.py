@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from trl_distill import DistillationConfig
-from trl_distill import precision as precision_module
-from trl_distill.precision import cpu_supports_bf16
+from trl_distill.model import precision as precision_module
+from trl_distill.model.precision import cpu_supports_bf16
 
 
 def test_a_config_without_precision_flags_works_on_a_cpu_machine(tmp_path):
@@ -24,7 +24,7 @@ def test_a_config_without_precision_flags_works_on_a_cpu_machine(tmp_path):
 
 def test_without_native_bf16_the_default_is_fp32_with_one_warning(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(precision_module, "cpu_supports_bf16", lambda: False)
-    with caplog.at_level(logging.WARNING, logger="trl_distill.precision"):
+    with caplog.at_level(logging.WARNING, logger="trl_distill.model.precision"):
         args = DistillationConfig(output_dir=str(tmp_path))
     assert args.bf16 is False and args.use_cpu
     assert [r.getMessage() for r in caplog.records] == [

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
-from trl_distill.checkpoints import MARKER, is_complete, mark_complete, resolve_resume
+from trl_distill.runtime.checkpoints import MARKER, is_complete, mark_complete, resolve_resume
 from trl_distill.testing import launch, logged, synthetic_prompt_completion
 
 WORKER = Path(__file__).parent / "scripts" / "reliability_worker.py"
@@ -58,7 +58,7 @@ def test_resume_skips_incomplete_checkpoints(tmp_path, caplog):
     mark_complete(tmp_path / "checkpoint-2")
     mark_complete(tmp_path / "checkpoint-4")
     (tmp_path / "checkpoint-4" / "model.safetensors").write_bytes(b"x")  # truncated after the fact
-    with caplog.at_level("WARNING", logger="trl_distill.checkpoints"):
+    with caplog.at_level("WARNING", logger="trl_distill.runtime.checkpoints"):
         assert resolve_resume(True, str(tmp_path)) == str(tmp_path / "checkpoint-2")
     assert "checkpoint-4" in caplog.text and "checkpoint-6" in caplog.text
     with pytest.raises(ValueError, match="checkpoint-6' is incomplete.*newest complete one is .*checkpoint-2"):

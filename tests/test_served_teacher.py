@@ -8,13 +8,13 @@ import time
 import pytest
 
 from trl_distill import DistillationConfig, DistillationTrainer
-from trl_distill.distributed import free_port
-from trl_distill.served_teacher import ServedTeacher, TeacherServerError
+from trl_distill.runtime.distributed import free_port
+from trl_distill.teacher.server_client import TeacherServerClient, TeacherServerError
 from trl_distill.testing import synthetic_prompt_completion
 
 
 def test_a_server_that_is_down_is_one_clear_error():
-    teacher = ServedTeacher(f"http://127.0.0.1:{free_port()}", "teacher", timeout=2, retries=2, backoff=0.01)
+    teacher = TeacherServerClient(f"http://127.0.0.1:{free_port()}", "teacher", timeout=2, retries=2, backoff=0.01)
     with pytest.raises(TeacherServerError, match=r"did not answer /v1/completions after 3 attempts .* `vllm serve`"):
         teacher.top_k([1, 2, 3], 4)
 
@@ -24,7 +24,7 @@ def test_a_server_that_never_answers_times_out():
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
-        teacher = ServedTeacher(f"http://127.0.0.1:{silent.getsockname()[1]}", "teacher", timeout=0.5, retries=1,
+        teacher = TeacherServerClient(f"http://127.0.0.1:{silent.getsockname()[1]}", "teacher", timeout=0.5, retries=1,
                                 backoff=0.01)
         start = time.monotonic()
         with pytest.raises(TeacherServerError, match=r"after 2 attempts \(0.5 s timeout each\): .*timed out"):

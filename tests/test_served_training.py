@@ -8,10 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from oracles import write_teacher_cache  # tests/ is on sys.path
 
 from trl_distill import DistillationConfig, DistillationTrainer
-from trl_distill.cache import write_teacher_cache
 from trl_distill.cache.shards import flat, read_shard
+from trl_distill.teacher import ServedTeacher
 from trl_distill.testing import launch, logged, synthetic_prompt_completion
 
 ROOT = Path(__file__).parent.parent
@@ -87,8 +88,8 @@ def test_students_from_either_cache_and_from_the_live_server_get_the_same_losses
     for name, teacher in runs.items():
         trainer = DistillationTrainer(served["student"], args=run_config(tmp, name, **teacher), train_dataset=data)
         if name == "live":  # record when each batch's request goes out and when its loss is computed
-            assert trainer.teacher is None and trainer.served_teacher.name == "teacher"
-            trainer.served_teacher.request = recorded(events, "request", trainer.served_teacher.request)
+            assert isinstance(trainer.teacher, ServedTeacher) and trainer.teacher.name == "teacher"
+            trainer.teacher.request = recorded(events, "request", trainer.teacher.request)
             trainer.compute_loss = recorded(events, "loss", trainer.compute_loss)
         trainer.train()
         losses[name] = {key: logged(trainer.state.log_history, key) for key in ("loss", "kd_loss", "ce_loss")}
@@ -122,6 +123,25 @@ def test_accumulation_dataloader_workers_and_evaluation_against_the_live_server(
     evaluated = trainer.evaluate()["eval_kd_loss"]
     trainer.train()
     assert evaluated == pytest.approx(logged(trainer.state.log_history, "kd_loss")[1], rel=1e-5) and evaluated > 0.1
+
+
+def test_a_lora_student_against_the_server_starts_where_the_full_student_does(served, caches):
+    """LoRA starts as the identity (B = 0): the first step's kd_loss and ce_loss of a LoRA student trained live
+    against the server equal the full student's trained from the server's own cache."""
+    from peft import LoraConfig
+
+    tmp, data, losses = caches["tmp"], synthetic_prompt_completion(ROWS), {}
+    runs = {"cache": ({"teacher_cache": str(caches["server"])}, None),
+            "lora": ({"teacher_server": served["url"], "teacher_server_top_k": K},
+                     LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))}
+    for name, (teacher, peft_config) in runs.items():
+        trainer = DistillationTrainer(served["student"], args=run_config(tmp, f"{name}_lora_cell", max_steps=2,
+                                                                          **teacher),
+                                      train_dataset=data, peft_config=peft_config)
+        trainer.train()
+        losses[name] = {key: logged(trainer.state.log_history, key) for key in ("kd_loss", "ce_loss")}
+    for key, want in losses["cache"].items():
+        assert want[1] > 0.01 and abs(losses["lora"][key][1] - want[1]) <= 1e-4, key
 
 
 def test_a_cache_from_the_server_resumes_byte_identically(served, tmp_path):

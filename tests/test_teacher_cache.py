@@ -7,12 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from oracles import sparse_distillation_loss, write_teacher_cache  # tests/ is on sys.path
 from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
-from trl_distill.cache import TeacherCache, write_teacher_cache
-from trl_distill.losses import LOSS_TYPES, divergence
-from trl_distill.sparse_losses import sparse_distillation_loss, top_k_teacher_signal
+from trl_distill.cache import TeacherCache
+from trl_distill.loss.divergences import LOSS_TYPES, divergence
+from trl_distill.loss.sparse import top_k_teacher_signal
+from trl_distill.teacher import CachedTeacher
 from trl_distill.testing import launch, logged, synthetic_prompt_completion, tiny_run_settings
 
 ROOT = Path(__file__).parent.parent
@@ -126,7 +128,7 @@ def test_the_cache_holds_every_loss_token_of_every_row(full_cache):
 def test_cached_loss_equals_the_online_dense_loss_for_each_divergence(tiny_pair, full_cache):
     online = full_cache["online"]
     cached = cached_trainer(tiny_pair, full_cache, "cached")
-    assert cached.teacher is None  # no teacher loaded at all
+    assert isinstance(cached.teacher, CachedTeacher) and not hasattr(cached.teacher, "module")  # no teacher model
     rows = range(8)
     online_batch = online._prepare_inputs(online.data_collator([online.train_dataset[i] for i in rows]))
     cached_batch = cached._prepare_inputs(cached.data_collator([cached.train_dataset[i] for i in rows]))
@@ -169,6 +171,24 @@ def _swapped_ids(tokenizer, first: str, second: str):
     vocab[first], vocab[second] = vocab[second], vocab[first]
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(state)),
                                    **{k: getattr(tokenizer, k) for k in ("pad_token", "bos_token", "eos_token")})
+
+
+def test_a_lora_student_from_the_cache_starts_where_the_full_student_does(tiny_pair, full_cache):
+    """LoRA starts as the identity (B = 0): the first step's kd_loss and ce_loss of a LoRA student trained from the
+    cache equal the full student's from the same cache; then only the adapters train."""
+    from peft import LoraConfig
+
+    full = cached_trainer(tiny_pair, full_cache, "full_for_lora", max_steps=2)
+    lora = DistillationTrainer(tiny_pair["student"], args=make_config(
+        full_cache["tmp"], "lora", teacher_cache=str(full_cache["dir"]), max_steps=2), train_dataset=full_cache["data"],
+        processing_class=full_cache["tok"], peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    full.train()
+    lora.train()
+    for key in ("kd_loss", "ce_loss"):
+        want, got = logged(full.state.log_history, key), logged(lora.state.log_history, key)
+        assert want[1] > 0.01 and abs(got[1] - want[1]) <= 1e-6, key
+    assert sum(p.numel() for p in lora.model.parameters() if p.requires_grad) < sum(
+        p.numel() for p in full.model.parameters()) / 10
 
 
 @pytest.mark.parametrize(
@@ -312,7 +332,7 @@ def test_a_packed_cache_is_the_default_smaller_and_trains_like_the_float32_one(t
         sizes[dtype] = sum(s["bytes"] for s in manifest.shards) / sum(s["tokens"] for s in manifest.shards)
         cached = DistillationTrainer(tiny_pair["student"], args=make_config(tmp, f"from_{dtype}", teacher_cache=str(
             directory)), train_dataset=full_cache["data"], processing_class=full_cache["tok"])
-        signals[dtype] = cached.teacher_cache.signal(list(range(6)))
+        signals[dtype] = cached.teacher.cache.signal(list(range(6)))
         cached.train()
         losses[dtype] = logged(cached.state.log_history, "kd_loss")
     packed, exact = signals["7bit"], signals["float32"]

@@ -1,4 +1,4 @@
-"""The teacher once per optimizer step (`trl_distill.teacher_step`): the same losses as once per micro-batch, one
+"""The teacher once per optimizer step (`trl_distill.teacher.step_pass`): the same losses as once per micro-batch, one
 all-gather of each teacher parameter per step instead of one per micro-batch, and the paths that keep the old way."""
 
 import logging
@@ -8,9 +8,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from trl_distill import DistillationConfig, DistillationTrainer, plan
-from trl_distill.on_policy import DATASET, completion_source
-from trl_distill.teacher_step import TeacherRows, TeacherStepPass, plain_rows, right_padded
+from trl_distill import DistillationConfig, DistillationTrainer
+from trl_distill.rollout.on_policy import DATASET, completion_source
+from trl_distill.runtime import plan
+from trl_distill.teacher.rows import DenseRows
+from trl_distill.teacher.step_pass import TeacherStepPass, plain_rows, right_padded
 from trl_distill.testing import (
     launch,
     logged,
@@ -94,15 +96,32 @@ def run(tiny_pair, tmp_path, **overrides) -> tuple[DistillationTrainer, dict]:
     settings.update(overrides)
     trainer = DistillationTrainer(tiny_pair["student"], tiny_pair["teacher"], args=DistillationConfig(**settings),
                                   train_dataset=data, processing_class=tok, data_collator=collate)
+    trainer.forwards_ahead = count_forwards_ahead(trainer)
     trainer.train()
     return trainer, {key: logged(trainer.state.log_history, key) for key in KEYS}
+
+
+def count_forwards_ahead(trainer) -> list:
+    """A list that gets one entry per teacher forward the once-per-step pass runs."""
+    step_pass, forwards = trainer.teacher.step_pass, []
+    run, features = step_pass.run, trainer.teacher.features
+
+    def counted(batch_samples):
+        trainer.teacher.features = lambda *a, **k: forwards.append(1) or features(*a, **k)
+        try:
+            run(batch_samples)
+        finally:
+            trainer.teacher.features = features
+
+    step_pass.run = counted
+    return forwards
 
 
 def test_same_losses_without_deepspeed(tiny_pair, tmp_path):
     ahead, step_losses = run(tiny_pair, tmp_path / "step")
     per_micro_batch, micro_losses = run(tiny_pair, tmp_path / "micro", teacher_step_pass=False)
-    assert ahead.teacher_step.forwards == 4 and per_micro_batch.teacher_step.forwards == 0
-    assert not ahead.teacher_step.queue  # nothing computed ahead outlives training
+    assert len(ahead.forwards_ahead) == 4 and len(per_micro_batch.forwards_ahead) == 0
+    assert not ahead.teacher.step_pass.queue  # nothing computed ahead outlives training
     for key in KEYS:
         assert len(step_losses[key]) == 4
         for step, value in micro_losses[key].items():
@@ -115,7 +134,7 @@ def test_sampled_steps_keep_the_per_micro_batch_path(tiny_pair, tmp_path):
     trainer, _ = run(tiny_pair, tmp_path, lmbda=0.5, max_new_tokens=4, seed=3)
     dataset_steps = [completion_source(0.5, False, 3, step) == DATASET for step in range(4)]
     assert 0 < sum(dataset_steps) < 4  # this seed mixes both kinds
-    assert trainer.teacher_step.forwards == sum(dataset_steps)
+    assert len(trainer.forwards_ahead) == sum(dataset_steps)
 
 
 def test_padding_free_batches_are_not_plain_rows():
@@ -143,8 +162,8 @@ def test_rows_for_another_micro_batch_are_refused():
     class Stub:
         args = None
 
-    step = TeacherStepPass(Stub())
-    step.queue.append((torch.tensor([[1, 2, 3]]), TeacherRows(torch.zeros(2, 4), None)))
+    step = TeacherStepPass(Stub(), None)
+    step.queue.append((torch.tensor([[1, 2, 3]]), DenseRows(torch.zeros(2, 4), None, selected=True)))
     with pytest.raises(RuntimeError, match="teacher_step_pass=False"):
         step.take({"input_ids": torch.tensor([[1, 2, 4]])})
     assert not step.queue
@@ -163,8 +182,9 @@ def test_the_warning_names_why(tiny_pair, tmp_path, caplog):
                                  max_length=None)
     trainer = DistillationTrainer(tiny_pair["student"], tiny_pair["teacher"], args=DistillationConfig(**settings),
                                   train_dataset=synthetic_prompt_completion(16), processing_class=tok)
-    with caplog.at_level(logging.WARNING, logger="trl_distill.teacher_step"):
+    forwards = count_forwards_ahead(trainer)
+    with caplog.at_level(logging.WARNING, logger="trl_distill.teacher.step_pass"):
         trainer.train()
-    assert trainer.teacher_step.forwards == 0
+    assert forwards == []
     told = [r.getMessage() for r in caplog.records if "once per micro-batch" in r.getMessage()]
     assert len(told) == 1 and "cu_seq_lens" in told[0]

@@ -214,7 +214,7 @@ def test_conversational_data_trains_on_assistant_tokens_by_default(tiny_pair, tm
 def test_template_without_generation_markers_trains_on_every_token_and_warns(tiny_pair, tmp_path, caplog):
     tok = AutoTokenizer.from_pretrained(tiny_pair["tokenizer"])
     tok.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '</s>' }}{% endfor %}"
-    with caplog.at_level("WARNING", logger="trl_distill.data"):
+    with caplog.at_level("WARNING", logger="trl_distill.data.prepare"):
         trainer = DistillationTrainer(
             tiny_pair["student"], tiny_pair["teacher"], args=make_config(tmp_path), train_dataset=_conversations(),
             processing_class=tok,

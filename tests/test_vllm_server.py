@@ -7,8 +7,8 @@ import urllib.request
 import pytest
 import torch
 
-from trl_distill.served_teacher import ServedTeacher
-from trl_distill.sparse_losses import top_k_teacher_signal
+from trl_distill.loss.sparse import top_k_teacher_signal
+from trl_distill.teacher.server_client import TeacherServerClient
 from trl_distill.testing import build_tokenizer, synthetic_prompt_completion
 
 K = 8
@@ -51,10 +51,10 @@ def test_the_server_tokenizes_like_the_student_tokenizer(served):
 
 
 def test_served_teacher_signal_equals_the_local_teachers(served):
-    """`ServedTeacher.top_k` over HTTP gives what `top_k_teacher_signal` computes from the local fp32 teacher's
+    """`TeacherServerClient.top_k` over HTTP gives what `top_k_teacher_signal` computes from the local fp32 teacher's
     logits: the same ids, log-probs and tail mass to 1e-4; and a server with another tokenizer is refused."""
     url, model, tokenizer = served["url"], served["model"], served["tokenizer"]
-    teacher = ServedTeacher(url, "teacher")
+    teacher = TeacherServerClient(url, "teacher")
     teacher.check_tokenizer(tokenizer)
     for row in synthetic_prompt_completion(3, seed=5):
         ids = tokenizer(row["prompt"] + row["completion"])["input_ids"]

@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from trl_distill import zero3_loading as loading
+from trl_distill.teacher import zero3_loading as loading
+from trl_distill.teacher.zero3_loading import _read_flat, _read_into, loadable, safetensors_index
 from trl_distill.testing import build_tiny_model, build_tokenizer, launch, read_rank_records
-from trl_distill.zero3_loading import _read_flat, _read_into, loadable, safetensors_index
 
 WORKER = Path(__file__).parent / "scripts" / "load_memory_worker.py"
 

@@ -17,6 +17,7 @@ CHECKED_AGAINST = {"torch": "2.13", "transformers": "5.24", "trl": "1.16", "acce
 OVERRIDDEN_HOOKS = {
     "transformers.Trainer": ("_build_accelerator_args", "_save_checkpoint", "_set_signature_columns_if_needed"),
     "transformers.TrainingArguments": ("_setup_devices",),
+    "trl.SFTTrainer": ("_prepare_dataset",),
     "deepspeed.runtime.zero.partition_parameters.Init": ("_zero_init_param", "_convert_to_deepspeed_param"),
 }
 # Public methods whose behaviour we rely on beyond their signature: `get_batch_samples` returns all micro-batches of
@@ -29,6 +30,28 @@ RELIED_ON = {"transformers.Trainer": ("get_batch_samples",)}
 def prepared_models(accelerator) -> list:
     """The models `accelerator.prepare` registered (what `save_state` saves): `Accelerator._models`."""
     return accelerator._models
+
+
+@contextlib.contextmanager
+def accelerator_state_kept(accelerator):
+    """Undo what `accelerator.prepare(teacher)` changes on the accelerator (checked against accelerate 1.15):
+
+    - `deepspeed_engine_wrapped`: the engine `accelerator.backward` runs on, and the one `free_memory()`
+      destroys at the start of `train()`. It must stay the student's (or empty), never the teacher's.
+    - `deepspeed_config`: `save_model` reads it to decide how to save; it must stay the student's.
+    - `_models`: the prepared models that `save_state` saves; the teacher is never saved.
+    """
+    wrapped = accelerator.deepspeed_engine_wrapped
+    config = getattr(accelerator, "deepspeed_config", None)
+    models = list(prepared_models(accelerator))
+    accelerator.deepspeed_engine_wrapped = None  # else accelerate warns that an engine is already tied
+    try:
+        yield
+    finally:
+        accelerator.deepspeed_engine_wrapped = wrapped
+        if config is not None:
+            accelerator.deepspeed_config = config
+        prepared_models(accelerator)[:] = models
 
 
 def partial_state_fields() -> dict:
@@ -46,6 +69,16 @@ def reset_accelerate_state() -> None:
 
 
 # ---- transformers 5.24 / TRL 1.16 ----
+
+def output_dir_of(trainer, trial) -> str:
+    """The directory the Trainer saves this run's checkpoints in (a trial's own): `Trainer._get_output_dir`."""
+    return trainer._get_output_dir(trial)
+
+
+def valid_dict_fields(config_class) -> list[str]:
+    """The `TrainingArguments` fields a JSON string may fill on the CLI: the class attribute `_VALID_DICT_FIELDS`."""
+    return list(config_class._VALID_DICT_FIELDS)
+
 
 def prepare_inputs(trainer, batch: dict) -> dict:
     """A collated batch moved to the trainer's device as its training step would: `Trainer._prepare_inputs`."""

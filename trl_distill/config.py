@@ -10,11 +10,13 @@ from typing import Any
 from transformers import TrainingArguments
 from trl import SFTConfig
 
-from .deepspeed_config import load_deepspeed_config
-from .distributed import prepare_cpu_distributed_state
-from .losses import LOSS_TYPES
-from .precision import settle_precision
-from .validation import refuse_quantization_without_gpu
+from . import compat
+from .loss.divergences import LOSS_TYPES
+from .model.precision import settle_precision
+from .runtime.deepspeed_config import load_deepspeed_config
+from .runtime.distributed import prepare_cpu_distributed_state
+from .runtime.validation import refuse_quantization_without_gpu
+from .teacher.resolve import refuse_unsupported
 
 
 @dataclass
@@ -52,7 +54,7 @@ class DistillationConfig(SFTConfig):
     """
 
     # Fields a JSON string may fill on the CLI (a TrainingArguments class attribute; transformers 5.24)
-    _VALID_DICT_FIELDS = SFTConfig._VALID_DICT_FIELDS + ["teacher_model_init_kwargs", "teacher_deepspeed"]
+    _VALID_DICT_FIELDS = compat.valid_dict_fields(SFTConfig) + ["teacher_model_init_kwargs", "teacher_deepspeed"]
 
     teacher_model_name_or_path: str | None = field(
         default=None,
@@ -98,7 +100,7 @@ class DistillationConfig(SFTConfig):
         metadata={
             "help": "A teacher cache directory written by `trl-distill cache-teacher` (the teacher's top-k "
             "log-probabilities per loss token). Training then loads no teacher at all; the divergence is computed on "
-            "the top-k tokens plus the tail mass (see `trl_distill.sparse_losses`). For `cache-teacher` itself: "
+            "the top-k tokens plus the tail mass (see `trl_distill.loss.sparse`). For `cache-teacher` itself: "
             "where the cache is written."
         },
     )
@@ -240,41 +242,13 @@ class DistillationConfig(SFTConfig):
                 "auto_find_batch_size is not supported with DeepSpeed here: retrying a smaller batch would rebuild "
                 "the student's engine but not the teacher's. Set per_device_train_batch_size yourself."
             )
-        if self.teacher_cache is not None and (self.lmbda > 0 or self.seq_kd):
-            raise ValueError(
-                "A teacher cache holds the teacher's distribution on the dataset's completions only; on-policy "
-                "(lmbda > 0) and sequence-level (seq_kd) distillation need the live teacher. Drop --teacher_cache or "
-                "set lmbda=0 and seq_kd=False."
-            )
-        if self.teacher_cache is not None and (self.packing or self.padding_free):
-            raise ValueError("Training from a teacher cache does not support packing / padding_free yet: the cache "
-                             "holds one row per unpacked example. Set packing=False and padding_free=False.")
-        if self.teacher_server is not None:
-            self._check_teacher_server()
+        refuse_unsupported(self)  # what the run's kind of teacher refuses, where the arguments name both
         for name in ("model_init_kwargs", "teacher_model_init_kwargs"):
             refuse_quantization_without_gpu(getattr(self, name), name)
         self.deepspeed = _lenient_deepspeed(self.deepspeed if self.deepspeed else _accelerate_deepspeed_file())
         _use_activation_checkpointing_names(self)
         settle_precision(self)
         super().__post_init__()
-
-    def _check_teacher_server(self) -> None:
-        if self.lmbda > 0 or self.seq_kd:
-            raise ValueError("On-policy (lmbda > 0) and sequence-level (seq_kd) distillation are not supported with "
-                             "--teacher_server yet: they need the teacher on sampled completions. Set lmbda=0 and "
-                             "seq_kd=False, or load the teacher with --teacher_model_name_or_path.")
-        if self.packing or self.padding_free:
-            raise ValueError("A served teacher scores one unpacked row per example: set packing=False and "
-                             "padding_free=False with --teacher_server.")
-        if self.temperature != 1.0:
-            raise ValueError(f"A served teacher gives its log-probs at temperature 1 only (vLLM applies no temperature "
-                             f"to prompt log-probs, and the top-k cannot be renormalised without the whole "
-                             f"vocabulary); got --temperature {self.temperature}. Train at --temperature 1, or use "
-                             "the local teacher (--teacher_model_name_or_path, or a cache written from it).")
-        if self.teacher_server_top_k < 1 or self.teacher_server_concurrency < 1 or not self.teacher_server_timeout > 0:
-            raise ValueError("teacher_server_top_k and teacher_server_concurrency must be >= 1 and "
-                             f"teacher_server_timeout > 0; got {self.teacher_server_top_k}, "
-                             f"{self.teacher_server_concurrency}, {self.teacher_server_timeout}.")
 
     @cached_property
     def _setup_devices(self):

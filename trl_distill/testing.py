@@ -20,7 +20,7 @@ from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-from .distributed import free_port
+from .runtime.distributed import free_port
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 # A minimal chat template; assistant turns are marked for SFT's `assistant_only_loss`.

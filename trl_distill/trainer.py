@@ -3,54 +3,32 @@ a student trained with any ZeRO stage (or without DeepSpeed)."""
 
 from __future__ import annotations
 
-import logging
 import os
 from functools import partial
 
 import torch
-from transformers import PreTrainedModel, TrainerCallback
+from transformers import PreTrainedModel
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import SFTTrainer
 
 from . import compat  # the private library APIs we use, each in one named function
-from .cache.reader import ROW, TeacherCache, train_from_cache
-from .checkpoints import mark_complete, resume_point, run_record
 from .config import DistillationConfig, as_distillation_config
-from .cross_tokenizer.training import COLUMNS as CROSS_COLUMNS
-from .cross_tokenizer.training import (
-    CrossRows,
-    CrossTokenizer,
-    load_teacher_tokenizer,
-    pop_cross_batch,
-    teacher_inputs,
-    wants_cross_tokenizer,
-)
-from .data import (
+from .data.batch import loss_tokens
+from .data.prepare import (
     drop_unanswered_conversations,
     log_skipped_rows,
     resolve_assistant_only_loss,
     student_tokenizer,
-    tokenizer_of,
 )
-from .deepspeed_config import print_engine_configs
-from .logit_check import probe_inputs, settle_logit_paths
-from .losses import DenseTeacherSignal, LossSettings, fused_loss, select_loss_rows
-from .modeling import LossFeatures, add_fused_distillation_forward, gathered
-from .on_policy import CompletionSampler, refuse_zero3_student_sampling
-from .served_signal import ServedTeacherSignal, train_from_server
-from .signal_batch import pop_signal
-from .sparse_losses import SparseSignalChunks
-from .teacher import SELF, STUDENT, TEACHER, SelfTeacher, Teacher, resolve_teacher
-from .teacher_step import TeacherRows, TeacherStepPass, loss_tokens
-from .validation import (
-    check_dataset_not_empty,
-    check_output_dir,
-    check_teacher_finite,
-    check_tokenizers_match,
-    shared_vocab_size,
-)
-
-logger = logging.getLogger(__name__)
+from .loss.fused import LossSettings, fused_loss, select_loss_rows
+from .model.fused_forward import LossFeatures, add_fused_distillation_forward, gathered
+from .model.logit_check import settle_logit_paths_by_inputs
+from .rollout.on_policy import CompletionSampler, refuse_zero3_student_sampling
+from .runtime.checkpoints import mark_complete, resume_point, run_record
+from .runtime.metrics import DistillMetrics, TrainingBounds
+from .runtime.validation import check_dataset_not_empty, check_output_dir, shared_vocab_size
+from .teacher import TeacherBatch, resolve_teacher
+from .teacher.live import STUDENT, TEACHER
 
 
 class DistillationTrainer(SFTTrainer):
@@ -98,17 +76,9 @@ class DistillationTrainer(SFTTrainer):
         args = DistillationConfig(output_dir="distilled-model") if args is None else as_distillation_config(args)
         check_output_dir(args.output_dir)
         check_dataset_not_empty(train_dataset, "train", "given")
-        self.teacher, source = resolve_teacher(teacher_model, args, eval_dataset, model, peft_config)
-        self.teacher_cache = source if isinstance(source, TeacherCache) else None
-        self.served_teacher = source if isinstance(source, ServedTeacherSignal) else None
-        self.cross = None  # a teacher with another tokenizer (`cross_tokenizer.training`), decided before the data
-        teacher_tokenizer = None
-        if isinstance(self.teacher, Teacher):
-            teacher_tokenizer = load_teacher_tokenizer(args, self.teacher)
-            mine = processing_class or tokenizer_of(model) if teacher_tokenizer is not None else None
-            if mine is not None and wants_cross_tokenizer(args, mine, teacher_tokenizer):
-                processing_class = mine
-                self.cross = CrossTokenizer(processing_class, teacher_tokenizer, args)
+        self.teacher = resolve_teacher(teacher_model, args, student=model, processing_class=processing_class,
+                                       eval_dataset=eval_dataset, peft_config=peft_config)  # the one teacher source
+        processing_class = processing_class or self.teacher.student_tokenizer
         if args.assistant_only_loss is None:
             processing_class = processing_class or student_tokenizer(model, train_dataset)
             args.assistant_only_loss = resolve_assistant_only_loss(None, train_dataset, processing_class)
@@ -128,27 +98,11 @@ class DistillationTrainer(SFTTrainer):
                 "A Mixture-of-Experts student with a router load-balancing loss is not supported yet: the "
                 "distillation loss would silently drop it. Set `router_aux_loss_coef=0.0` to train without it."
             )
-        student = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        add_fused_distillation_forward(student)
-        if self.teacher == SELF:
-            if not hasattr(self.model, "disable_adapter"):
-                raise ValueError("teacher 'self' needs a PEFT student; the student is not a PeftModel.")
-            self.teacher = SelfTeacher(self.model)
-        elif self.teacher is not None and not {"dtype", "torch_dtype"} & set(self.teacher.init_kwargs):
-            self.teacher.init_kwargs["dtype"] = student.dtype
-        teacher_config = student.config if self.teacher is None or self.cross else self.teacher.config
+        add_fused_distillation_forward(self.student)
         try:
-            self.vocab_size = shared_vocab_size(student.config, teacher_config, self.processing_class)
-            if self.cross is not None:
-                self.cross.build_loss(self.vocab_size, self.teacher.config.get_text_config().vocab_size,
-                                      self.loss_settings, announce=self.accelerator.is_main_process)
-                self.data_collator = self.cross.collator(self.data_collator)
-            elif self.teacher_cache is not None:
-                train_from_cache(self, self.teacher_cache)
-            elif self.served_teacher is not None:
-                train_from_server(self, self.served_teacher)
-            elif isinstance(self.teacher, Teacher):
-                check_tokenizers_match(self.processing_class, teacher_tokenizer)  # loaded once, above
+            self.vocab_size = shared_vocab_size(self.student.config, self.teacher.vocab_config(self.student.config),
+                                                self.processing_class)
+            self.teacher.attach(self)  # its fit checks, columns and collator
             check_dataset_not_empty(self.train_dataset, "train", "prepared", args.max_length)
             evaluation = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
             for name, dataset in evaluation.items():
@@ -161,12 +115,15 @@ class DistillationTrainer(SFTTrainer):
         # ask the Trainer for that count (`num_items_in_batch`), taken over the shifted labels.
         self.model_accepts_loss_kwargs = True
         compat.count_items_over_shifted_labels(self)
-        self._distill_sums = {"kd_loss": 0.0, "ce_loss": 0.0}
+        self.metrics = DistillMetrics(self)  # kd_loss and ce_loss, logged beside loss
         self.sampler = CompletionSampler(self)  # on-policy / sequence-level completions (lmbda, seq_kd)
-        self.teacher_step = TeacherStepPass(self)  # the teacher once per optimizer step (`teacher_step_pass`)
-        self._distill_last_logged_step = 0
-        self._logit_paths = None  # settled on the first batch (`_settle_logit_paths`)
-        self.add_callback(_LogStepSync(self))
+        self.logit_paths = None  # each model's logit path, settled on the first batch (`settle_logit_paths`)
+        self.add_callback(TrainingBounds(self))
+
+    @property
+    def student(self) -> PreTrainedModel:
+        """The student model itself (the base model of a PEFT student)."""
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
 
     # ---- Setup: two DeepSpeed plugins, teacher prepared once after the Trainer's `free_memory()` ----
 
@@ -175,23 +132,13 @@ class DistillationTrainer(SFTTrainer):
         accelerator_args = super()._build_accelerator_args(**kwargs)
         student_plugin = accelerator_args.get("deepspeed_plugin")
         refuse_zero3_student_sampling(self.args, student_plugin)
-        if not isinstance(self.teacher, Teacher):
-            if self.args.teacher_deepspeed is not None:
-                logger.warning("Ignoring `teacher_deepspeed`: the teacher is 'self' or a cache; it has no engine.")
-            return accelerator_args
-        if student_plugin is None:
-            if self.args.teacher_deepspeed is not None:
-                raise ValueError(
-                    "`teacher_deepspeed` is set but the student does not use DeepSpeed. Pass `deepspeed=` (e.g. a "
-                    "ZeRO-2 config) or launch with `accelerate launch --use_deepspeed`."
-                )
-            return accelerator_args
-        accelerator_args["deepspeed_plugin"] = {STUDENT: student_plugin, TEACHER: self.teacher.plugin(self.args,
-                                                                                                    student_plugin)}
+        teacher_plugin = self.teacher.plugin(self.args, student_plugin)
+        if teacher_plugin is not None:
+            accelerator_args["deepspeed_plugin"] = {STUDENT: student_plugin, TEACHER: teacher_plugin}
         return accelerator_args
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        """`Trainer.train`, resuming only from complete checkpoints (see `trl_distill.checkpoints`)."""
+        """`Trainer.train`, resuming only from complete checkpoints (see `trl_distill.runtime.checkpoints`)."""
         if self.is_deepspeed_enabled and self.model_wrapped is not self.model:
             # An engine from evaluate() or an earlier train(): the Trainer's free_memory() is about to destroy it,
             # and the stock Trainer would then skip preparing the student (no engine for `backward`).
@@ -205,15 +152,14 @@ class DistillationTrainer(SFTTrainer):
                             self.args.resume_allow_changes)
 
     def _run_record(self) -> dict:
-        teacher = getattr(self.teacher or self.served_teacher, "name", None)
-        return run_record(self.args, teacher, self.accelerator.num_processes, self.is_deepspeed_enabled)
+        return run_record(self.args, self.teacher.name, self.accelerator.num_processes, self.is_deepspeed_enabled)
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         self.accelerator.wait_for_everyone()  # every rank's optimizer shard and RNG state is on disk
         if self.args.should_save:
             name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            mark_complete(os.path.join(self._get_output_dir(trial), name), self._run_record())
+            mark_complete(os.path.join(compat.output_dir_of(self, trial), name), self._run_record())
 
     @property
     def loss_settings(self) -> LossSettings:
@@ -224,34 +170,28 @@ class DistillationTrainer(SFTTrainer):
 
     def prepare_teacher(self) -> None:
         """Load and prepare the teacher once (collective under DeepSpeed); the dataloader getters call it."""
-        if self.teacher is not None:  # None: training from a teacher cache or a served teacher
-            self.teacher.prepare(self.accelerator, self.args.device)
+        self.teacher.prepare(self.accelerator, self.args.device)
 
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
-        if self.teacher_cache is not None:
-            compat.keep_dataset_column(self, ROW)  # each row's index into the cache
-        for column in CROSS_COLUMNS if self.cross is not None else ():
-            compat.keep_dataset_column(self, column)  # the teacher's ids and the aligned groups
+        for column in self.teacher.columns:  # what the teacher's collator reads (a cache row, the teacher's ids)
+            compat.keep_dataset_column(self, column)
 
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
         dataset = super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
-        if self.cross is not None:  # each row, rendered and tokenized the teacher's way too, and aligned
-            dataset = self.cross.add_columns(dataset, dataset_name)
-        return dataset
+        return self.teacher.prepare_dataset(dataset, dataset_name)  # e.g. the teacher's own ids, aligned
 
     def get_train_dataloader(self):
-        return self._with_teacher(super().get_train_dataloader())  # after `train()`'s free_memory(), on every rank
+        self.prepare_teacher()  # after `train()`'s free_memory(), on every rank
+        return super().get_train_dataloader()
 
     def get_eval_dataloader(self, eval_dataset=None):
-        return self._with_teacher(super().get_eval_dataloader(eval_dataset))
+        self.prepare_teacher()
+        return super().get_eval_dataloader(eval_dataset)
 
     def get_test_dataloader(self, test_dataset):
-        return self._with_teacher(super().get_test_dataloader(test_dataset))  # predict()
-
-    def _with_teacher(self, dataloader):
-        self.prepare_teacher()
-        return dataloader
+        self.prepare_teacher()  # predict()
+        return super().get_test_dataloader(test_dataset)
 
     def evaluation_loop(self, *args, **kwargs):
         student_plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
@@ -262,12 +202,11 @@ class DistillationTrainer(SFTTrainer):
         with compat.deepspeed_hidden_from(self):
             return super().evaluation_loop(*args, **kwargs)
 
-    # ---- The teacher once per optimizer step, over all its micro-batches (`trl_distill.teacher_step`) ----
+    # ---- The teacher once per optimizer step, over all its micro-batches (`teacher.step_pass`) ----
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
-        if self.teacher_step.applies(batch_samples):  # (the training loop is the only caller, in transformers 5.24)
-            self.teacher_step.run(batch_samples)
+        self.teacher.before_step(batch_samples)  # (the training loop is the only caller, in transformers 5.24)
         return batch_samples, num_items_in_batch
 
     # ---- On-policy / sequence-level KD: completions sampled by the student or the teacher ----
@@ -283,27 +222,20 @@ class DistillationTrainer(SFTTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """``alpha * KD + (1 - alpha) * CE`` over completion tokens, normalised like the HF Trainer's loss."""
         args = self.args
-        cached, cross = pop_signal(inputs), pop_cross_batch(inputs)
+        extras = self.teacher.pop_batch(inputs)  # what the teacher's collator added; the student must not see it
         model_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
         target, mask = loss_tokens(inputs)
         # Sequence positions with a loss token in some row: the only ones either model projects (position t
         # predicts target t); the selected rows keep the (row, position) order on every path.
         keep = mask.any(0).nonzero().squeeze(1)
         mask, target = mask[:, keep], target[:, keep]
-        if self._logit_paths is None:
-            self._settle_logit_paths(model, model_inputs, mask, None if cross is None else teacher_inputs(cross))
-        teacher = self.teacher_step.take(inputs) if self.model.training else None  # computed ahead for the step
-        if cross is not None:  # the teacher reads its own ids; its states at the aligned groups
-            teacher = self.cross.teacher_rows(self.teacher, cross, mask, keep)
-            check_teacher_finite(teacher.states, self.accelerator, self.state.global_step + 1)
-        elif cached is None and teacher is None:  # (a cache or a server: the teacher's top-k comes with the batch)
-            # Every rank runs every teacher forward, even with no loss token: ZeRO-3 gathers are collective.
-            teacher = self.teacher.features(model_inputs, keep)
-            check_teacher_finite(teacher.states, self.accelerator, self.state.global_step + 1)
-        loss_fn = partial(self._fused_loss, teacher=teacher, cached=cached, target=target, mask=mask,
+        if self.logit_paths is None:
+            self.settle_logit_paths(model, model_inputs, mask, extras)
+        teacher = self.teacher.for_batch(model_inputs, extras, mask, keep)  # every rank: gathers are collective
+        loss_fn = partial(self._fused_loss, teacher=teacher, target=target, mask=mask,
                           num_items_in_batch=num_items_in_batch)
         kd, ce = model(**model_inputs, fused_distillation=loss_fn, loss_positions=keep)
-        self.teacher_step.after_loss()
+        self.teacher.after_loss()
         if args.kd_temperature_scaling:
             kd = kd * args.temperature**2
         loss = args.alpha * kd + (1.0 - args.alpha) * ce
@@ -314,51 +246,30 @@ class DistillationTrainer(SFTTrainer):
         if num_items_in_batch is None and self.model.training:
             # a per-micro-batch mean: the Trainer divides the loss by the accumulation steps; log alike
             kd, ce = kd / self.current_gradient_accumulation_steps, ce / self.current_gradient_accumulation_steps
-        self._record(kd, ce, batch_size=target.shape[0])
+        self.metrics.record(kd, ce, batch_size=target.shape[0])
         if return_outputs:
             return loss, {"kd_loss": kd.detach(), "ce_loss": ce.detach()}
         return loss
 
-    def _settle_logit_paths(self, model, model_inputs: dict, mask: torch.Tensor,
-                            teacher_inputs: dict | None = None) -> None:
+    def settle_logit_paths(self, model, model_inputs: dict, mask: torch.Tensor, extras=None) -> None:
         """Once, on the first batch: check each model's fused logits against its own and pick its path (see
-        `trl_distill.logit_check`); rank 0 says which path each model takes. A teacher with another tokenizer is
-        checked on its own ids (`teacher_inputs`)."""
+        `model.logit_check`); rank 0 says which path each model takes."""
         student = self.accelerator.unwrap_model(model)
         student = student.get_base_model() if hasattr(student, "get_base_model") else student
-        candidates = [("student", model, student, model_inputs)]
-        if self.teacher is not None and not isinstance(self.teacher, SelfTeacher):  # self: the student's own base
-            candidates.append(("teacher", self.teacher.engine, self.teacher.module, teacher_inputs or model_inputs))
-        mixed = self.args.bf16 or self.args.fp16
-        if teacher_inputs is None:
-            self._logit_paths = settle_logit_paths([c[:3] for c in candidates], probe_inputs(model_inputs),
-                                                   self.accelerator, mixed_precision=mixed)
-        else:  # each model on its own tokens
-            self._logit_paths = [path for *candidate, inputs in candidates for path in settle_logit_paths(
-                [tuple(candidate)], probe_inputs(inputs), self.accelerator, mixed_precision=mixed)]
+        candidates = [("student", model, student, model_inputs), *self.teacher.logit_candidates(model_inputs, extras)]
+        self.logit_paths = settle_logit_paths_by_inputs(candidates, self.accelerator, self.args.bf16 or self.args.fp16)
         if self.accelerator.is_main_process:
-            for path in self._logit_paths:
+            for path in self.logit_paths:
                 print(path.describe(self.vocab_size, int(mask.shape[0] * mask.shape[1])), flush=True)
 
-    def _fused_loss(self, student: LossFeatures, *, teacher, cached, target, mask, num_items_in_batch):
-        """Runs inside the student's forward: both lm_heads (or the student's and the cached teacher signal), a
-        chunk of completion rows at a time; a model on the exact path hands its own logits instead."""
+    def _fused_loss(self, student: LossFeatures, *, teacher: TeacherBatch, target, mask, num_items_in_batch):
+        """Runs inside the student's forward: both lm_heads (or the student's and the teacher's signal), a chunk of
+        completion rows at a time; a model on the exact path hands its own logits instead."""
         s_flat, rows, labels = select_loss_rows(student.states, mask, target.clamp(min=0))
-        heads = [h for h in (student.head, None if teacher is None else teacher.head) if h is not None]
+        heads = [h for h in (student.head, teacher.head) if h is not None]
         settings = self.loss_settings
         with gathered(*(p for head in heads for p in head.params)):
-            if cached is not None:
-                signal = SparseSignalChunks(cached, len(labels), settings.vocab_size)
-            elif isinstance(teacher, CrossRows):  # another tokenizer: the per-group loss, 0 off the groups
-                signal = self.cross.signal(teacher, settings)
-            else:
-                if isinstance(teacher, TeacherRows):  # computed ahead, at exactly these rows
-                    t_rows = teacher.states
-                else:
-                    t_rows = teacher.states.reshape(-1, teacher.states.shape[-1]).index_select(0, rows)
-                if t_rows.shape[0] != len(labels):
-                    raise RuntimeError(f"The teacher has {t_rows.shape[0]} loss rows, the student {len(labels)}.")
-                signal = DenseTeacherSignal(t_rows.detach(), teacher.head, settings.vocab_size, settings.temperature)
+            signal = teacher.signal(rows, len(labels), settings)
             return fused_loss(s_flat, student.head, signal, settings, rows, labels, num_items_in_batch)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -371,46 +282,8 @@ class DistillationTrainer(SFTTrainer):
             logits = model(**model_inputs, use_cache=False).logits  # packed rows: no cache, or documents mix
         return loss, logits, inputs["labels"]
 
-    # ---- Logging: `kd_loss` and `ce_loss` reduced exactly like the Trainer's `loss` ----
-
-    def _record(self, kd: torch.Tensor, ce: torch.Tensor, batch_size: int) -> None:
-        if self.model.training:
-            self._distill_sums["kd_loss"] += kd.detach()
-            self._distill_sums["ce_loss"] += ce.detach()
-            return
-        # Like `eval_loss`: one value per sample, duplicates of an uneven last batch dropped.
-        for name, value in (("kd_loss", kd), ("ce_loss", ce)):
-            values = self.accelerator.gather_for_metrics(value.detach().reshape(1).repeat(batch_size))
-            compat.eval_metric_values(self, name).extend(values.tolist())
-
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self.model.training and "loss" in logs:
-            steps = max(self.state.global_step - self._distill_last_logged_step, 1)
-            for name, total in self._distill_sums.items():
-                total = torch.as_tensor(total, device=self.args.device, dtype=torch.float32)
-                logs[name] = self.accelerator.gather(total.reshape(1)).mean().item() / steps
-                self._distill_sums[name] = 0.0
-            self._distill_last_logged_step = self.state.global_step
+        if self.model.training and "loss" in logs:  # `kd_loss` / `ce_loss` reduced exactly like `loss`
+            self.metrics.log_into(logs)
             self.sampler.log_into(logs, self.accelerator, self.args.device)
         super().log(logs, start_time)
-
-
-class _LogStepSync(TrainerCallback):
-    """As `train()` starts: rank 0 prints both engines' DeepSpeed configs (once), and the `kd_loss`/`ce_loss` step
-    count starts where training does (after a resume, at the checkpoint)."""
-
-    def __init__(self, trainer: DistillationTrainer):
-        self.trainer = trainer
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        trainer = self.trainer
-        if not getattr(trainer, "_engine_configs_printed", False) and trainer.accelerator.is_main_process:
-            print_engine_configs(trainer.accelerator, getattr(trainer.teacher, "config_notes", []))
-        trainer._engine_configs_printed = True
-        trainer._distill_last_logged_step = state.global_step
-        trainer._distill_sums = dict.fromkeys(trainer._distill_sums, 0.0)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self.trainer.teacher_step.release()  # nothing computed ahead outlives training (nor the held lm_head)
-        if self.trainer.served_teacher is not None:
-            self.trainer.served_teacher.close()  # requests for batches collated ahead and never trained on

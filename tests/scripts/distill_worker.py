@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from trl_distill import LOSS_TYPES, DistillationConfig, DistillationTrainer
-from trl_distill.modeling import gathered
-from trl_distill.teacher import Teacher
+from trl_distill.model.fused_forward import gathered
+from trl_distill.teacher import LiveTeacher
 from trl_distill.testing import synthetic_prompt_completion, tiny_run_settings, write_rank_record
 
 STUDENT_ZERO2 = {
@@ -81,7 +81,7 @@ class CycleDivergence(TrainerCallback):
 def count_lm_head_gathers(rec):
     """Record, per call of an lm_head gather (the loss's, and the once-per-step teacher pass's), how many of the
     given parameters are ZeRO-3 partitioned (0: nothing to gather, e.g. the teacher's head already held)."""
-    import trl_distill.teacher_step as step_module
+    import trl_distill.teacher.step_pass as step_module
     import trl_distill.trainer as trainer_module
     from trl_distill.compat import is_zero3_partitioned
 
@@ -97,7 +97,7 @@ def count_lm_head_gathers(rec):
 def record_teacher_load(trainer, rec):
     """Record the teacher as `from_pretrained` returns it, before DeepSpeed prepares it: under `zero.Init` it
     is already partitioned, so no rank ever held all of it."""
-    import trl_distill.zero3_loading as loading
+    import trl_distill.teacher.zero3_loading as loading
 
     load, read = trainer.teacher._load, loading._read_into
     bytes_read = []
@@ -247,7 +247,7 @@ def main():
     # A teacher prepared after the student's engine exists leaves the accelerator's state to the student
     acc = trainer.accelerator
     state = (acc.deepspeed_engine_wrapped, acc.deepspeed_config, list(acc._models))
-    late = Teacher(os.path.join(pair, "teacher"), {"dtype": torch.float32})
+    late = LiveTeacher(os.path.join(pair, "teacher"), {"dtype": torch.float32})
     late.prepare(acc, trainer.args.device)
     rec["late_teacher_state_kept"] = [
         acc.deepspeed_engine_wrapped is state[0], acc.deepspeed_config is state[1], acc._models == state[2]
@@ -259,7 +259,7 @@ def main():
     rec["late_save_files"] = sorted(os.listdir(late_save))
     # A teacher that fails to load selects the student's plugin again
     try:
-        Teacher(os.path.join(pair, "no_such_teacher")).prepare(acc, trainer.args.device)
+        LiveTeacher(os.path.join(pair, "no_such_teacher")).prepare(acc, trainer.args.device)
     except OSError:
         rec["failed_load_raised"] = True
     rec["plugin_after_failed_load_is_student"] = acc.state.deepspeed_plugin is acc.state.get_deepspeed_plugin("student")

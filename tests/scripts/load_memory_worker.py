@@ -11,8 +11,8 @@ import torch
 
 import trl_distill  # noqa: F401  (DeepSpeed on CPU)
 from trl_distill import compat
+from trl_distill.teacher.zero3_loading import load_partitioned
 from trl_distill.testing import write_rank_record
-from trl_distill.zero3_loading import load_partitioned
 
 
 def status(key: str) -> int:

@@ -11,7 +11,7 @@ import sys
 import torch
 from transformers import AutoTokenizer
 
-import trl_distill.on_policy as on_policy_module
+import trl_distill.rollout.on_policy as on_policy_module
 from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.testing import synthetic_prompt_completion, tiny_run_settings, write_rank_record
 

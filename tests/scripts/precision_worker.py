@@ -49,7 +49,7 @@ def main():
                                      trainer.data_collator([trainer.train_dataset[i] for i in range(ROWS)]))
     trainer.train()
     rec["log_history"] = trainer.state.log_history
-    rec["paths"] = {p.name: p.exact for p in trainer._logit_paths}
+    rec["paths"] = {p.name: p.exact for p in trainer.logit_paths}
     rec["student_dtype"] = str(next(trainer.model_wrapped.parameters()).dtype)
     rec["teacher_dtype"] = str(next(trainer.teacher.module.parameters()).ds_tensor.dtype)
     rec["teacher_share"] = sum(p.ds_tensor.numel() for p in trainer.teacher.module.parameters()) / sum(

@@ -75,25 +75,34 @@ def main():
             trainer.add_callback(PerStep(counts, rec))
 
     trainer.prepare_teacher = prepare_and_count
-    run_ahead = trainer.teacher_step.run
+    step_pass = trainer.teacher.step_pass
+    run_ahead, features, forwards = step_pass.run, trainer.teacher.features, []
+
+    def counted_features(inputs, positions=None):  # a forward of the pass over real rows (not a rank's idle one)
+        forwards.append(positions is not None and positions.numel() > 0)
+        return features(inputs, positions)
 
     def run_and_measure(batch_samples):  # what the pass holds while the step's micro-batches train
-        run_ahead(batch_samples)
+        trainer.teacher.features = counted_features
+        try:
+            run_ahead(batch_samples)
+        finally:
+            trainer.teacher.features = features
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         head = trainer.teacher.module.lm_head.weight
         rec.setdefault("held", []).append({
-            "states_bytes": sum(rows.states.nbytes for _, rows in trainer.teacher_step.queue),
+            "states_bytes": sum(rows.states.nbytes for _, rows in step_pass.queue),
             "head_gathered": head.ds_status == ZeroParamStatus.AVAILABLE and head.numel() == head.ds_numel,
             "head_bytes": head.ds_numel * head.element_size(),
             "row_width": max(b["input_ids"].shape[1] for b in batch_samples),
         })
 
-    trainer.teacher_step.run = run_and_measure
+    step_pass.run = run_and_measure
     trainer.train()
     rec.pop("counts")
     rec["log_history"] = trainer.state.log_history
-    rec["forwards_ahead"] = trainer.teacher_step.forwards
+    rec["forwards_ahead"] = sum(forwards)
     rec["unlabelled_batches"] = collate.calls // 3
     rec["persistent"] = [n for n, p in trainer.teacher.module.named_parameters() if p.ds_persist]
     rec["head_released"] = trainer.teacher.module.lm_head.weight.numel() == 0  # partitioned again after training

@@ -1,9 +1,8 @@
-"""Offline teacher signal: cache the teacher's top-k distribution once (`trl-distill cache-teacher`), then train
-students from the cache (`--teacher_cache DIR`) without loading the teacher. See `trl_distill.sparse_losses`."""
+"""Offline teacher signal on disk: a cache of the teacher's top-k distribution written once (`trl-distill
+cache-teacher`, `writer`) and read by `teacher.cached.CachedTeacher` (`--teacher_cache DIR`). See `loss.sparse`."""
 
 from .manifest import Manifest
-from .reader import CachedTeacherCollator, TeacherCache
-from .writer import fill_teacher_cache, open_teacher_cache, write_teacher_cache
+from .reader import TeacherCache
+from .writer import fill_teacher_cache, open_teacher_cache
 
-__all__ = ["CachedTeacherCollator", "Manifest", "TeacherCache", "fill_teacher_cache", "open_teacher_cache",
-           "write_teacher_cache"]
+__all__ = ["Manifest", "TeacherCache", "fill_teacher_cache", "open_teacher_cache"]

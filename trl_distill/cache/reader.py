@@ -1,4 +1,4 @@
-"""Train from a teacher cache: open it, check it fits the run, and hand each batch its rows' teacher signal."""
+"""A teacher cache on disk: open it, check it fits the run, read the teacher signal of given rows."""
 
 from __future__ import annotations
 
@@ -8,13 +8,11 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from ..signal_batch import SIGNAL, SignalHolder
-from ..sparse_losses import SparseTeacherSignal
+from ..loss.sparse import SparseTeacherSignal
 from . import packing
 from .manifest import Manifest, check_fits, tokenizer_hash
 from .shards import PACKED, file_sha256, flat, read_shard
 
-ROW = "teacher_cache_row"  # the column added to the prepared train dataset: the row's index in the cache
 
 class TeacherCache:
     """A complete teacher cache written by `trl-distill cache-teacher`, memory-mapped."""
@@ -78,29 +76,3 @@ class TeacherCache:
             ids, log_probs = (np.array(flat(part.column(name))).reshape(-1, k)
                               for name in ("top_k_ids", "top_k_log_probs"))
         return SparseTeacherSignal(torch.from_numpy(ids), torch.from_numpy(log_probs), torch.from_numpy(tail))
-
-
-class CachedTeacherCollator:
-    """Wraps the trainer's collator: pops each example's cache row and adds the rows' signal to the batch."""
-
-    def __init__(self, collator, cache: TeacherCache):
-        self.collator, self.cache = collator, cache
-
-    def __call__(self, examples: list[dict]) -> dict:
-        rows = [int(example[ROW]) for example in examples]
-        batch = self.collator([{k: v for k, v in example.items() if k != ROW} for example in examples])
-        batch[SIGNAL] = SignalHolder(self.cache.signal(rows))
-        return batch
-
-
-def train_from_cache(trainer, cache: TeacherCache) -> None:
-    """Make `trainer` (a `DistillationTrainer` without a teacher) read the teacher's signal from `cache`: check the
-    cache fits the prepared train dataset, number its rows and wrap the collator to add their signal."""
-    dataset = trainer.train_dataset
-    if not hasattr(dataset, "add_column") or "labels" not in dataset.column_names:
-        raise ValueError("Training from a teacher cache needs a prepared (map-style) train dataset with `labels`, "
-                         "as SFT's dataset preparation makes it (not an IterableDataset or skip_prepare_dataset).")
-    args = trainer.args
-    cache.check_fits(trainer.processing_class, trainer.vocab_size, args.temperature, args.max_length, dataset)
-    trainer.train_dataset = dataset.add_column(ROW, np.arange(len(dataset), dtype=np.int64))
-    trainer.data_collator = CachedTeacherCollator(trainer.data_collator, cache)

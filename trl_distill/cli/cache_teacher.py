@@ -41,6 +41,7 @@ def main(argv: list[str]) -> None:
 
     from ..cache.writer import fill_teacher_cache, open_teacher_cache
     from ..config import DistillationConfig
+    from ..teacher.resolve import check_cacheable_teacher
     from .errors import errors_as_messages
     from .train import build_trainer
 
@@ -51,9 +52,7 @@ def main(argv: list[str]) -> None:
         directory = training_args.teacher_cache
         if not directory:
             raise ValueError("Pass the directory to write the cache to with --teacher_cache DIR.")
-        if training_args.teacher_model_name_or_path in (None, "self") and not training_args.teacher_server:
-            raise ValueError("Pass the teacher to cache with --teacher_model_name_or_path (or its vLLM server with "
-                             "--teacher_server URL).")
+        check_cacheable_teacher(training_args)
         if training_args.teacher_server:  # the server's top-k: as many as the cache keeps
             training_args.teacher_server_top_k = cache_args.cache_top_k
         training_args.teacher_cache = None  # this run has the live (or served) teacher; DIR is its output

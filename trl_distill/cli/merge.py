@@ -1,4 +1,4 @@
-"""`trl-distill merge --adapter DIR --output DIR [--base B] [--dtype bfloat16]`: see `trl_distill.merge`."""
+"""`trl-distill merge --adapter DIR --output DIR [--base B] [--dtype bfloat16]`: see `trl_distill.model.merge`."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class MergeArguments:
 def main(argv: list[str]) -> None:
     from transformers import HfArgumentParser
 
-    from ..merge import merge_adapter
+    from ..model.merge import merge_adapter
 
     parser = HfArgumentParser(MergeArguments, prog="trl-distill merge",
                               description="Fold a LoRA student's adapter into its base model.")

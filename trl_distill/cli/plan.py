@@ -1,11 +1,11 @@
-"""`trl-distill plan`: the per-GPU memory of a distillation run, six ways (see `trl_distill.plan`)."""
+"""`trl-distill plan`: the per-GPU memory of a distillation run, six ways (see `trl_distill.runtime.plan`)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields
 
-from ..plan import DTYPE_BYTES, HEADROOM, OPTIMIZER_BYTES, Settings, format_plan, load_spec, parse_count, plan
+from ..runtime.plan import DTYPE_BYTES, HEADROOM, OPTIMIZER_BYTES, Settings, format_plan, load_spec, parse_count, plan
 from .errors import errors_as_messages
 
 EPILOG = f"""\

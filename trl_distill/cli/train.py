@@ -15,23 +15,16 @@ def make_parser():
 
 def validate(script_args, training_args, model_args) -> None:
     """Checks that need no model: fail in seconds, before anything is loaded or written."""
-    from ..validation import check_model_path, check_weights_complete, refuse_quantization_without_gpu
+    from ..runtime.validation import check_model_path, check_weights_complete, refuse_quantization_without_gpu
+    from ..teacher.resolve import check_teacher_flags
 
     if not model_args.model_name_or_path:
         raise ValueError("Pass the student with --model_name_or_path.")
-    if not (training_args.teacher_model_name_or_path or training_args.teacher_cache or training_args.teacher_server):
-        raise ValueError("Pass the teacher with --teacher_model_name_or_path (or a cache of it with --teacher_cache, "
-                         "or a vLLM server of it with --teacher_server).")
-    if training_args.teacher_model_name_or_path == "self" and not model_args.use_peft:
-        raise ValueError("--teacher_model_name_or_path self (self-distillation) needs a LoRA student: add --use_peft.")
+    check_teacher_flags(training_args, model_args.use_peft)
     if model_args.load_in_4bit or model_args.load_in_8bit:
         refuse_quantization_without_gpu({"load_in_4bit": True}, "--load_in_4bit/--load_in_8bit")
     check_model_path(model_args.model_name_or_path, "--model_name_or_path")
     check_weights_complete(model_args.model_name_or_path, "--model_name_or_path")
-    if training_args.teacher_cache or training_args.teacher_server:
-        pass  # the teacher is not loaded here: its weights need not exist (with a server, the name is the served one)
-    elif training_args.teacher_model_name_or_path != "self":
-        check_model_path(training_args.teacher_model_name_or_path, "--teacher_model_name_or_path")
     if not script_args.dataset_name:
         raise ValueError("Pass a dataset with --dataset_name (a hub id, a .jsonl/.json/.parquet/.csv file or a dir).")
 
@@ -40,7 +33,7 @@ def build_trainer(script_args, training_args, model_args):
     """The `DistillationTrainer` the command line describes: data loaded and checked, student and PEFT set up."""
     from trl import get_peft_config, get_quantization_config
 
-    from ..data import check_format, load_dataset_any
+    from ..data.prepare import check_format, load_dataset_any
     from ..trainer import DistillationTrainer
 
     validate(script_args, training_args, model_args)

@@ -13,8 +13,6 @@ part takes the JSD of the restricted probabilities without renormalising them (h
 part is a divergence between distributions and the identical-tokenizer case is exact), and for a group of several
 tokens it scales a later position's distribution by the earlier tokens' probabilities (here: the group's first
 position, the one both models see after the same text).
-
-`chunked_cross_tokenizer_loss` takes hidden states and lm_heads instead of logits, a chunk of groups at a time.
 """
 
 from __future__ import annotations
@@ -24,11 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
-from ..divergences import at_temperature, per_token_divergence
-from ..losses import LossSettings, default_chunk_size
-from ..modeling import LMHead
+from ..loss.divergences import at_temperature, per_token_divergence
+from ..loss.fused import LossSettings
 from .vocabulary import SharedVocabulary
 
 
@@ -104,28 +100,3 @@ class CrossTokenizerLoss:
     def combine(self, matched: Tensor, uld: Tensor) -> Tensor:
         w_matched, w_uld = self.weights
         return w_matched * matched + w_uld * uld
-
-
-def chunked_cross_tokenizer_loss(student_states: Tensor, student_head: LMHead, teacher_states: Tensor,
-                                 teacher_head: LMHead, loss: CrossTokenizerLoss,
-                                 chunk_size: int | None = None) -> Tensor:
-    """Σ over aligned groups of `loss`, from the hidden states at the groups' positions (``[G, h_s]`` and
-    ``[G, h_t]``): a chunk of groups through both lm_heads at a time, each chunk recomputed in backward (activation
-    checkpointing keeps only the hidden states), so neither model's ``[G, V]`` logits exist at once. The teacher
-    gets no gradient."""
-    if student_states.shape[0] != teacher_states.shape[0]:
-        raise ValueError(f"{student_states.shape[0]} student and {teacher_states.shape[0]} teacher group positions.")
-    widest = max(student_head.weight.shape[0], teacher_head.weight.shape[0])
-    chunk = chunk_size or default_chunk_size(widest)
-    teacher_states = teacher_states.detach()
-
-    def chunk_loss(student_chunk: Tensor, teacher_chunk: Tensor) -> Tensor:
-        with torch.no_grad():
-            teacher_logits = teacher_head.logits(teacher_chunk)
-        return loss(student_head.logits(student_chunk), teacher_logits).sum()
-
-    total = student_states.new_zeros((), dtype=torch.promote_types(student_states.dtype, torch.float32))
-    for start in range(0, student_states.shape[0], chunk):
-        rows = slice(start, start + chunk)
-        total = total + checkpoint(chunk_loss, student_states[rows], teacher_states[rows], use_reentrant=False)
-    return total

@@ -22,7 +22,7 @@ import struct
 
 import torch
 
-from .compat import partitioned_construction, zero3_partition
+from ..compat import partitioned_construction, zero3_partition
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .modeling import LossFeatures, gathered, use_exact_logits
+from .fused_forward import LossFeatures, gathered, use_exact_logits
 
 PROBE_TOKENS = 64  # positions of the first row compared, per model
 
@@ -117,3 +117,14 @@ def settle_logit_paths(candidates: list[tuple[str, object, nn.Module]], inputs: 
             path.exact, path.reason = True, "the rebuild differs on another rank"
         use_exact_logits(module, path.exact)
     return paths
+
+
+def settle_logit_paths_by_inputs(candidates: list[tuple[str, object, nn.Module, dict]], accelerator,
+                                 mixed_precision: bool = False) -> list[LogitPath]:
+    """`settle_logit_paths` for ``(name, call, module, inputs)``: the models that read the same inputs are checked
+    together, on a probe of them (a teacher with another tokenizer on its own ids)."""
+    groups: dict[int, tuple[dict, list]] = {}
+    for name, call, module, inputs in candidates:
+        groups.setdefault(id(inputs), (inputs, []))[1].append((name, call, module))
+    return [path for inputs, group in groups.values()
+            for path in settle_logit_paths(group, probe_inputs(inputs), accelerator, mixed_precision)]

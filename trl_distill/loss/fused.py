@@ -2,7 +2,7 @@
 full-vocabulary logits (`fused_loss`; functional form `chunked_distillation_loss`).
 
 Notation: ``p`` is the teacher distribution, ``q`` the student distribution, both ``softmax(logits / T)``. The
-formulas are in `trl_distill.divergences`; everything about the loss that is not a tensor is one frozen
+formulas are in `trl_distill.loss.divergences`; everything about the loss that is not a tensor is one frozen
 `LossSettings`, and each model's head (weight, bias, scale, softcap) travels as a `modeling.LMHead`.
 """
 
@@ -16,42 +16,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .divergences import (
-    DIVERGENCES,
-    LOSS_TYPES,
-    at_temperature,
-    check_divergence,
-    divergence,
-    forward_kl,
-    jsd,
-    normalise_sum,
-    per_token_divergence,
-    reverse_kl,
-    skew_forward_kl,
-    skew_reverse_kl,
-    tvd,
-)
-from .modeling import LMHead, finalise_logits
+from ..model.fused_forward import LMHead, finalise_logits
+from .divergences import DIVERGENCES, at_temperature, check_divergence, normalise_sum
 
-__all__ = [
-    "LOSS_TYPES",
-    "DenseTeacherSignal",
-    "DistillationLossOutput",
-    "LossSettings",
-    "chunked_distillation_loss",
-    "chunked_divergence",
-    "default_chunk_size",
-    "divergence",
-    "forward_kl",
-    "fused_loss",
-    "jsd",
-    "per_token_divergence",
-    "reverse_kl",
-    "select_loss_rows",
-    "skew_forward_kl",
-    "skew_reverse_kl",
-    "tvd",
-]
+__all__ = ["DenseTeacherSignal", "DistillationLossOutput", "LossSettings", "chunked_distillation_loss",
+           "chunked_divergence", "default_chunk_size", "fused_loss", "select_loss_rows"]
 
 # One chunk's fp32 logits hold about this many elements when ``chunk_size`` is None.
 _AUTO_CHUNK_ELEMENTS = 1 << 25
@@ -370,8 +339,8 @@ def chunked_distillation_loss(
     grads. A frozen student weight (``requires_grad=False``) gets no weight-grad buffer. ``kd_grad=False`` /
     ``ce_grad=False``: that term is returned for logging but gets no gradient (and no gradient buffers), for a
     loss that weights it 0 (``alpha`` = 0 or 1). A weight of None means that side's "hidden" states are already its
-    logits ``[..., V]`` (a model's own, see `trl_distill.logit_check`): they are used as they are (no bias, scale or
-    softcap is applied), chunk by chunk all the same. ``settings``: the `LossSettings` fields (``beta``,
+    logits ``[..., V]`` (a model's own, see `trl_distill.model.logit_check`): they are used as they are (no bias,
+    scale or softcap is applied), chunk by chunk all the same. ``settings``: the `LossSettings` fields (``beta``,
     ``skew_alpha``, ``temperature``, ``chunk_size``, ``vocab_size``, ``kd_grad``, ``ce_grad``).
     """
     student_head = _head("student", student_lm_head_weight, student_lm_head_bias, student_logit_scale, student_softcap)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import platform
 
-from .compat import cpu_has_bf16_units
-from .distributed import has_accelerator
+from ..compat import cpu_has_bf16_units
+from ..runtime.distributed import has_accelerator
 
 logger = logging.getLogger(__name__)
 

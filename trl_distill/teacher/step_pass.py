@@ -20,37 +20,22 @@ import contextlib
 import logging
 import math
 from collections import deque
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from . import compat
-from .modeling import LMHead, gathered
-from .on_policy import DATASET, completion_source
-from .teacher import Teacher
-from .validation import check_teacher_finite
+from .. import compat
+from ..data.batch import loss_tokens
+from ..model.fused_forward import gathered
+from ..rollout.on_policy import DATASET, completion_source
+from ..runtime.validation import check_teacher_finite
+from .rows import DenseRows
 
 logger = logging.getLogger(__name__)
 
 LABEL_KEYS = ("labels", "shift_labels")
 # Model inputs that are one value per token and can be right-padded: what the step pass batches
 ROW_INPUTS = {"input_ids": None, "attention_mask": 0, "token_type_ids": 0, "position_ids": None}
-
-
-class TeacherRows(NamedTuple):
-    """The teacher's features at one micro-batch's loss tokens, computed ahead: ``states`` ``[n, F]`` in (row,
-    position) order, the order `losses.select_loss_rows` picks the student's; ``head`` as in `LossFeatures`."""
-
-    states: torch.Tensor
-    head: LMHead | None
-
-
-def loss_tokens(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(target, mask)`` ``[B, T']``: the token each position predicts (the shifted labels) and where it is a loss
-    token. Position t predicts ``target[:, t]``."""
-    target = inputs["shift_labels"] if "shift_labels" in inputs else inputs["labels"][:, 1:]
-    return target, target != -100
 
 
 def plain_rows(batch_samples: list[dict]) -> str | None:
@@ -88,21 +73,19 @@ def right_padded(batches: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
 
 
 class TeacherStepPass:
-    """Runs a `DistillationTrainer`'s teacher once per optimizer step and hands each micro-batch its rows."""
+    """Runs a `DistillationTrainer`'s live `teacher` once per optimizer step and hands each micro-batch its rows
+    (`rows.DenseRows` at its loss tokens, in the (row, position) order `loss.fused.select_loss_rows` picks)."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.queue: deque[tuple[torch.Tensor, TeacherRows]] = deque()
+    def __init__(self, trainer, teacher):
+        self.trainer, self.teacher = trainer, teacher
+        self.queue: deque[tuple[torch.Tensor, DenseRows]] = deque()
         self._held = contextlib.ExitStack()  # the teacher's lm_head, gathered for the step
         self._told = False
-        self.forwards = 0  # teacher forwards run ahead (for the logs of a test or a benchmark)
 
     def applies(self, batch_samples: list[dict]) -> bool:
         """Whether this step's teacher runs ahead. The same on every rank: the teacher's collectives must match."""
         trainer, args = self.trainer, self.trainer.args
-        if not (args.teacher_step_pass and batch_samples and isinstance(trainer.teacher, Teacher)):
-            return False
-        if trainer.cross is not None:  # another tokenizer: the teacher reads its own ids, per micro-batch
+        if not (args.teacher_step_pass and batch_samples):
             return False
         if completion_source(args.lmbda, args.seq_kd, args.seed, trainer.state.global_step) != DATASET:
             return False  # sampled completions: the teacher runs on them, micro-batch by micro-batch
@@ -115,14 +98,14 @@ class TeacherStepPass:
 
     @torch.no_grad()
     def run(self, batch_samples: list[dict]) -> None:
-        """The teacher over every micro-batch of the step; queues each micro-batch's `TeacherRows`. Collective."""
+        """The teacher over every micro-batch of the step; queues each micro-batch's `DenseRows`. Collective."""
         self.release()
         trainer = self.trainer
         batches = [compat.prepare_inputs(trainer, b) for b in batch_samples]
         masks = [loss_tokens(b)[1] for b in batches]
-        if trainer._logit_paths is None:  # which path each model's logits take: settled before the first forward
+        if trainer.logit_paths is None:  # which path each model's logits take: settled before the first forward
             first = {k: v for k, v in batches[0].items() if k not in LABEL_KEYS}
-            trainer._settle_logit_paths(trainer.model_wrapped, first, masks[0][:, masks[0].any(0)])
+            trainer.settle_logit_paths(trainer.model_wrapped, first, masks[0][:, masks[0].any(0)])
         tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
         rows = right_padded(batches, getattr(tokenizer, "pad_token_id", None) or 0)
         width = rows["input_ids"].shape[1]
@@ -135,16 +118,15 @@ class TeacherStepPass:
         for start in range(0, size * self._forward_count(math.ceil(total / size)), size):
             stop = min(start + size, total)
             if start >= total:  # this rank has run out of rows; its peers' gathers still need it: one idle row
-                trainer.teacher.features({k: v[:1] for k, v in rows.items()}, positions[:0])
+                self.teacher.features({k: v[:1] for k, v in rows.items()}, positions[:0])
                 continue
-            features = trainer.teacher.features({k: v[start:stop] for k, v in rows.items()}, positions)
+            features = self.teacher.features({k: v[start:stop] for k, v in rows.items()}, positions)
             picked.append(features.states[wanted[start:stop]])  # [n, F], (row, position) order
             head = features.head
-            self.forwards += 1
         states = torch.cat(picked)
-        check_teacher_finite(states, trainer.accelerator, trainer.state.global_step + 1)
+        check_teacher_finite(states, trainer.accelerator, f"step {trainer.state.global_step + 1}")
         for batch, part in zip(batches, states.split([int(m.sum()) for m in masks])):
-            self.queue.append((batch["input_ids"], TeacherRows(part, head)))
+            self.queue.append((batch["input_ids"], DenseRows(part, head, selected=True)))
         if head is not None:  # gathered once for the whole step (a no-op for a head that is not partitioned)
             self._held.enter_context(gathered(*head.params))
 
@@ -156,7 +138,7 @@ class TeacherStepPass:
         counts = accelerator.gather(torch.tensor([mine], device=self.trainer.args.device))
         return int(counts.max())
 
-    def take(self, inputs: dict) -> TeacherRows | None:
+    def take(self, inputs: dict) -> DenseRows | None:
         """This micro-batch's teacher rows, computed ahead; None when the step ran no pass (the live path)."""
         if not self.queue:
             return None

@@ -2,7 +2,7 @@
 
 All take fp32 (or fp64) log-probabilities ``[N, V]`` (``log_softmax(logits / T)``) and return ``[N]``. `DIVERGENCES`
 is the table the losses dispatch on, one signature for all: ``(student_logp, teacher_logp, beta, skew_alpha)``.
-`divergence` is the plain loss from full logits; the chunked one from hidden states is in `trl_distill.losses`.
+`divergence` is the plain loss from full logits; the chunked one from hidden states is in `trl_distill.loss.fused`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .compat import is_zero3_partitioned
+from ..compat import is_zero3_partitioned
 
 _PATCHED = "_trl_distill_forward"
 _EXACT = "_trl_distill_exact_logits"  # set by `use_exact_logits`: the model's own forward makes the logits
@@ -25,7 +25,7 @@ class LossFeatures(NamedTuple):
 
     ``states`` ``[B, K, F]``: the last hidden states (``F`` = hidden size) that ``head`` projects to logits, or, when
     ``head`` is None, the model's own logits (``F`` = vocabulary), for an architecture whose head the fused path does
-    not rebuild exactly (see `trl_distill.logit_check`).
+    not rebuild exactly (see `trl_distill.model.logit_check`).
     """
 
     states: torch.Tensor
@@ -77,10 +77,6 @@ def use_exact_logits(model: nn.Module, exact: bool = True) -> None:
     setattr(model, _EXACT, exact)
 
 
-def uses_exact_logits(model: nn.Module) -> bool:
-    return getattr(model, _EXACT, False)
-
-
 def backbone(model: nn.Module) -> nn.Module:
     """The module under a causal LM that returns its last hidden states (``.last_hidden_state``).
 
@@ -101,7 +97,7 @@ def backbone(model: nn.Module) -> nn.Module:
 class LMHead:
     """An lm_head's parameters and the logit transform its config applies after the projection.
 
-    Read from the config names the mainstream families use; `trl_distill.logit_check` proves, per model, that
+    Read from the config names the mainstream families use; `trl_distill.model.logit_check` proves, per model, that
     `logits` equals the model's own logits before training relies on it. One made by `of` reads its weight and bias
     from the model's output layer when they are used, not when it is made: under ZeRO-3, touching a partitioned
     parameter inside a module's forward gathers it there and ties it to that module's every later forward

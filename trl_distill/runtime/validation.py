@@ -104,15 +104,16 @@ def check_dataset_not_empty(dataset, split: str, when: str, max_length: int | No
     )
 
 
-def check_teacher_finite(teacher_hidden: torch.Tensor, accelerator, step: int) -> None:
+def check_teacher_finite(teacher_hidden: torch.Tensor, accelerator, where: str) -> None:
     """Stop every rank together, with one message, when the teacher's hidden states hold NaN or inf on any rank
-    (one scalar all-reduce per micro-batch; a lone failing rank would leave the others waiting in a collective)."""
+    (one scalar all-reduce per call; a lone failing rank would leave the others waiting in a collective). `where`
+    names the place in the run: ``"step 3"``, ``"cache row 128"``."""
     bad = (~torch.isfinite(teacher_hidden)).any().to(torch.float32).reshape(1)
     if accelerator.num_processes > 1:
         bad = accelerator.reduce(bad, reduction="sum")
     if bad.item() > 0:
         raise FloatingPointError(
-            f"The teacher produced NaN or inf at step {step} (on {int(bad.item())} rank(s)). Check its dtype (fp16 "
+            f"The teacher produced NaN or inf at {where} (on {int(bad.item())} rank(s)). Check its dtype (fp16 "
             "overflows: use bf16 or fp32 via `teacher_model_init_kwargs={'dtype': ...}`) and its weights."
         )
 

@@ -1,6 +1,6 @@
 """Distil from a teacher served by vLLM: no teacher in the training processes, its top-k fetched over HTTP.
 
-`ServedTeacherSignal` wraps the collator (`ServedTeacherCollator`): when a batch is collated, a request for its
+`ServedTeacher` wraps the collator (`ServedTeacherCollator`): when a batch is collated, a request for its
 loss tokens' top-k goes to the server on a thread pool, and the batch carries the future (`signal_batch`). The
 Trainer collates the micro-batches of an optimizer step before it trains on the first, and accelerate's dataloader
 collates one batch ahead, so the answers arrive while the student computes. `compute_loss` then runs the same
@@ -16,17 +16,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .served_teacher import ServedTeacher
-from .signal_batch import SIGNAL, SignalHolder
-from .sparse_losses import SparseTeacherSignal
-from .teacher_step import loss_tokens
+from ..data.batch import SIGNAL, SignalHolder, loss_tokens, pop_signal
+from ..loss.sparse import SparseTeacherSignal
+from .base import TeacherSource
+from .rows import SparseRows
+from .server_client import TeacherServerClient
 
 logger = logging.getLogger(__name__)
 
 _PROBE = "Distil the teacher, token by token: 1 2 3."
 
 
-class ServedTeacherSignal:
+class ServedTeacher(TeacherSource):
     """The teacher `model` served at `url` (OpenAI-compatible vLLM), as the source of each batch's top-`top_k`.
 
     Args:
@@ -37,8 +38,19 @@ class ServedTeacherSignal:
         concurrency: requests in flight per process.
     """
 
+    refused = {
+        "on-policy": "On-policy (lmbda > 0) and sequence-level (seq_kd) distillation are not supported with "
+        "--teacher_server yet: they need the teacher on sampled completions. Set lmbda=0 and seq_kd=False, or load "
+        "the teacher with --teacher_model_name_or_path.",
+        "packing": "A served teacher scores one unpacked row per example: set packing=False and padding_free=False "
+        "with --teacher_server.",
+        "cross-tokenizer": "A served teacher's top-k comes in the server's token ids, compared id by id with the "
+        "student's: a teacher with another tokenizer needs the local teacher (--teacher_model_name_or_path). Drop "
+        "teacher_tokenizer_name_or_path and cross_tokenizer with --teacher_server.",
+    }
+
     def __init__(self, url: str, model: str | None, top_k: int = 64, timeout: float = 120.0, concurrency: int = 4):
-        self.client = ServedTeacher(url, model or "", timeout=timeout)
+        self.client = TeacherServerClient(url, model or "", timeout=timeout)
         self.top_k, self.concurrency = top_k, concurrency
         self.vocab_size = None  # the student's, once `check` has run
         self._pool, self._pool_pid = None, None
@@ -46,6 +58,69 @@ class ServedTeacherSignal:
     @property
     def name(self) -> str:
         return self.client.model
+
+    def describe(self) -> str:
+        return f"served at {self.client.url}"
+
+    @staticmethod
+    def check_args(args) -> None:
+        """The settings a served teacher cannot take whatever the mode: one clear error as the config is built."""
+        if args.temperature != 1.0:
+            raise ValueError(f"A served teacher gives its log-probs at temperature 1 only (vLLM applies no temperature "
+                             f"to prompt log-probs, and the top-k cannot be renormalised without the whole "
+                             f"vocabulary); got --temperature {args.temperature}. Train at --temperature 1, or use "
+                             "the local teacher (--teacher_model_name_or_path, or a cache written from it).")
+        if args.teacher_server_top_k < 1 or args.teacher_server_concurrency < 1 or not args.teacher_server_timeout > 0:
+            raise ValueError("teacher_server_top_k and teacher_server_concurrency must be >= 1 and "
+                             f"teacher_server_timeout > 0; got {args.teacher_server_top_k}, "
+                             f"{args.teacher_server_concurrency}, {args.teacher_server_timeout}.")
+
+    def attach(self, trainer) -> None:
+        """Check the server fits the run, then wrap the collator to fetch every batch's signal."""
+        super().attach(trainer)
+        self.check(trainer.processing_class, trainer.vocab_size, trainer.args.max_length)
+        trainer.data_collator = ServedTeacherCollator(trainer.data_collator, self)
+        if trainer.accelerator.is_main_process:
+            logger.info("Distilling from the teacher %r served at %s: top-%d per loss token, %d requests in flight.",
+                        self.name, self.client.url, self.top_k, self.concurrency)
+
+    def pop_batch(self, inputs: dict):
+        return pop_signal(inputs)
+
+    def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> SparseRows:
+        return SparseRows(extras)
+
+    def release(self) -> None:
+        self.close()  # requests for batches collated ahead and never trained on
+
+    # ---- cache-teacher ----
+
+    cache_refusal = None
+
+    def open_for_cache(self, columns, top_k: int) -> None:
+        self.top_k = top_k  # the cache's k, whatever the run's teacher_server_top_k
+
+    def cache_records(self, columns, mine: list[range], steps: int, filler: range, top_k: int,
+                      temperature: float) -> list[dict]:
+        """Every batch is collated (which sends its request) before the first answer is awaited, so
+        `teacher_server_concurrency` requests are in flight."""
+        pending = []
+        for rows in mine:
+            examples = [columns[i] for i in rows]
+            batch = self.trainer.data_collator(examples)
+            pending.append((rows, examples, loss_tokens(batch)[1], batch.pop(SIGNAL)))
+        records = []
+        for rows, examples, mask, holder in pending:
+            signal = holder.signal
+            ends = mask.sum(1).cumsum(0).tolist()
+            for b, row in enumerate(rows):
+                part = slice(ends[b - 1] if b else 0, ends[b])
+                records.append({"row": row, "input_ids": examples[b]["input_ids"],
+                                "positions": mask[b].nonzero().squeeze(1).numpy(),
+                                "top_k_ids": signal.ids[part].numpy(),
+                                "top_k_log_probs": signal.log_probs[part].numpy(),
+                                "tail_log_prob": signal.tail_log_prob[part].numpy()})
+        return records
 
     def __getstate__(self):  # DataLoader workers get a copy without the pool (and fetch synchronously)
         return {**self.__dict__, "_pool": None, "_pool_pid": None}
@@ -78,9 +153,6 @@ class ServedTeacherSignal:
         check_ids(probe, vocab_size, url)
         self.vocab_size = vocab_size
 
-    def collator(self, collator) -> ServedTeacherCollator:
-        return ServedTeacherCollator(collator, self)
-
     def request(self, batch: dict) -> SignalHolder:
         """Ask for the signal of a collated batch's loss tokens; in the main process it arrives on a thread."""
         rows, positions = loss_rows(batch)
@@ -110,7 +182,7 @@ class ServedTeacherSignal:
 class ServedTeacherCollator:
     """Wraps the trainer's collator: each batch it collates gets its loss tokens' served top-k (a future)."""
 
-    def __init__(self, collator, source: ServedTeacherSignal):
+    def __init__(self, collator, source: ServedTeacher):
         self.collator, self.source = collator, source
 
     def __call__(self, examples: list[dict]) -> dict:
@@ -120,7 +192,7 @@ class ServedTeacherCollator:
 
 
 def loss_rows(batch: dict) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Each row's tokens (without padding) and its loss positions (`teacher_step.loss_tokens`)."""
+    """Each row's tokens (without padding) and its loss positions (`data.batch.loss_tokens`)."""
     _, mask = loss_tokens(batch)
     ids, attention = batch["input_ids"], batch.get("attention_mask")
     rows, positions = [], []
@@ -138,14 +210,3 @@ def check_ids(signal: SparseTeacherSignal, vocab_size: int | None, url: str) -> 
     if vocab_size is not None and signal.ids.numel() and int(signal.ids.max()) >= vocab_size:
         raise ValueError(f"The teacher server {url} returned token id {int(signal.ids.max())}, outside the student's "
                          f"vocabulary of {vocab_size}: the served model must share the student's tokenizer.")
-
-
-def train_from_server(trainer, source: ServedTeacherSignal) -> None:
-    """Make `trainer` (a `DistillationTrainer` without a local teacher) distil from the served teacher: check the
-    server fits the run, then wrap the collator to fetch every batch's signal."""
-    args = trainer.args
-    source.check(trainer.processing_class, trainer.vocab_size, args.max_length)
-    trainer.data_collator = source.collator(trainer.data_collator)
-    if trainer.accelerator.is_main_process:
-        logger.info("Distilling from the teacher %r served at %s: top-%d per loss token, %d requests in flight.",
-                    source.name, source.client.url, source.top_k, source.concurrency)

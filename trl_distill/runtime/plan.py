@@ -14,7 +14,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, replace
 
-from .losses import default_chunk_size
+from ..loss.fused import default_chunk_size
 
 GIB = 1024**3
 HEADROOM = 0.10  # CUDA context, NCCL/allocator buffers, fragmentation
@@ -197,7 +197,7 @@ def activation_bytes(student: ModelSpec, teacher: ModelSpec | None, s: Settings,
 def teacher_step_bytes(teacher: ModelSpec, s: Settings) -> int:
     """What the once-per-step teacher pass holds while the student trains on the step's micro-batches: the
     teacher's last hidden states at every loss token of the step (at most every token of every micro-batch) and its
-    lm_head, gathered once for the step (`trl_distill.teacher_step`)."""
+    lm_head, gathered once for the step (`trl_distill.teacher.step_pass`)."""
     tokens = s.gradient_accumulation * s.micro_batch * s.seq_len
     return (tokens * teacher.hidden + teacher.vocab * teacher.hidden) * DTYPE_BYTES[s.dtype]
 

@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from .compat import prepare_inputs
+from ..compat import prepare_inputs
 
 # The three sources of a step's completions
 DATASET, STUDENT, TEACHER = "dataset", "student", "teacher"
@@ -110,7 +110,6 @@ class CompletionSampler:
     def __init__(self, trainer):
         self.trainer = trainer
         self.stats = dict.fromkeys(("micro_steps", "on_policy", "rows", "tokens"), 0)
-        self.last: tuple[str, list[torch.Tensor]] | None = None  # (source, completions) of the last sampled batch
 
     @property
     def active(self) -> bool:
@@ -124,7 +123,6 @@ class CompletionSampler:
         if source == DATASET:
             return inputs, False
         inputs, completions = self.sample(source, prepare_inputs(trainer, inputs))
-        self.last = (source, completions)
         self.stats["on_policy"] += source == STUDENT
         self.stats["rows"] += len(completions)
         self.stats["tokens"] += sum(len(c) for c in completions)

@@ -1,28 +1,28 @@
-"""A teacher with another tokenizer inside `DistillationTrainer`: its columns in the prepared data, its batch, its
-forward on its own token ids, and the loss signal over the aligned groups (`data`, `loss`).
+"""A teacher with another tokenizer: its columns in the prepared data, its batch, its forward on its own token ids,
+and the loss signal over the aligned groups (`trl_distill.cross_tokenizer`'s `data` and `loss`).
 
-The trainer switches to this mode by itself when the teacher's tokenizer maps tokens to other ids than the
+`resolve.resolve_teacher` picks this kind by itself when the teacher's tokenizer maps tokens to other ids than the
 student's (`cross_tokenizer=None`), or when told (`cross_tokenizer=True`). Every prepared row gets the teacher's
 token ids and, per aligned group, the student position and the teacher position that predict it; rows whose
 completion cannot be aligned keep their CE and get no KD, counted and logged. The KD term sums the per-group loss
-(`loss.CrossTokenizerLoss`) over the groups, through `losses.fused_loss` like every other teacher signal, and is
+(`CrossTokenizerLoss`) over the groups, through `loss.fused.fused_loss` like every other teacher signal, and is
 normalised like the CE (by the completion-token count).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
-from accelerate import PartialState
 from torch.nn.utils.rnn import pad_sequence
 
-from ..divergences import at_temperature
-from ..losses import LossSettings
-from .data import align_example
-from .loss import CrossTokenizerLoss, divergence_at_temperature
-from .vocabulary import shared_vocabulary
+from ..cross_tokenizer.data import align_example
+from ..cross_tokenizer.loss import CrossTokenizerLoss, divergence_at_temperature
+from ..cross_tokenizer.vocabulary import shared_vocabulary
+from ..loss.divergences import at_temperature
+from ..loss.fused import LossSettings
+from ..runtime.validation import check_teacher_finite
+from .live import LiveTeacher
 
 logger = logging.getLogger(__name__)
 
@@ -32,40 +32,50 @@ COLUMNS = (TEACHER_IDS, STUDENT_POSITIONS, TEACHER_POSITIONS)
 _BATCH = "cross_tokenizer_batch"
 
 
-def load_teacher_tokenizer(args, teacher):
-    """The teacher's tokenizer: `teacher_tokenizer_name_or_path`, else the one saved with the teacher; None when
-    there is none to load (a model object without a tokenizer path)."""
-    from transformers import AutoTokenizer
-
-    path = args.teacher_tokenizer_name_or_path
-    if path is None and isinstance(teacher.source, str | os.PathLike):
-        try:
-            return AutoTokenizer.from_pretrained(teacher.source)
-        except (OSError, ValueError):
-            return None
-    return None if path is None else AutoTokenizer.from_pretrained(path)
+_REFUSAL = ("A teacher with another tokenizer (cross-tokenizer distillation) does not support {} yet: the teacher "
+            "reads its own token ids of the dataset's completions.")
 
 
-def wants_cross_tokenizer(args, student_tokenizer, teacher_tokenizer) -> bool:
-    """Whether to distil across tokenizers: as `args.cross_tokenizer` says, else when their vocabularies differ."""
-    if args.cross_tokenizer is not None:
-        if args.cross_tokenizer and teacher_tokenizer is None:
-            raise ValueError("cross_tokenizer=True needs the teacher's tokenizer: set teacher_tokenizer_name_or_path.")
-        return args.cross_tokenizer
-    return teacher_tokenizer is not None and student_tokenizer.get_vocab() != teacher_tokenizer.get_vocab()
+class CrossTokenizerTeacher(LiveTeacher):
+    """A live teacher with another tokenizer: it reads its own token ids of each row, and the loss compares the two
+    models on the aligned groups (`cross_tokenizer.loss.CrossTokenizerLoss`). Runs once per micro-batch."""
 
+    columns = COLUMNS
+    refused = {"on-policy": _REFUSAL.format("lmbda > 0 / seq_kd"),
+               "packing": _REFUSAL.format("packing / padding_free")}
 
-class CrossTokenizer:
-    """The cross-tokenizer mode of one trainer."""
-
-    def __init__(self, student_tokenizer, teacher_tokenizer, args):
+    def __init__(self, source, init_kwargs: dict | None, student_tokenizer, teacher_tokenizer, args):
+        super().__init__(source, init_kwargs)
         self.student_tokenizer, self.teacher_tokenizer, self.args = student_tokenizer, teacher_tokenizer, args
-        self.loss = None  # set by `build_loss`, once the models' vocabularies are known
-        for name, on in (("teacher_cache", args.teacher_cache), ("lmbda > 0 / seq_kd", args.lmbda > 0 or args.seq_kd),
-                         ("packing / padding_free", args.packing or args.padding_free)):
-            if on:
-                raise ValueError(f"A teacher with another tokenizer (cross-tokenizer distillation) does not support "
-                                 f"{name} yet: the teacher reads its own token ids of the dataset's completions.")
+        self.loss = None  # set as it attaches, once the models' vocabularies are known
+
+    def vocab_config(self, student_config):
+        return student_config  # the student's own vocabulary: the teacher's is mapped onto it by bytes
+
+    def attach(self, trainer) -> None:
+        """Build the loss on the shared vocabulary and wrap the collator (the teacher's ids and the groups). The
+        tokenizers differ by design: no id-by-id match is asked (`self.tokenizer` stays None)."""
+        super().attach(trainer)
+        self.build_loss(trainer.vocab_size, self.config.get_text_config().vocab_size, trainer.loss_settings,
+                        announce=trainer.accelerator.is_main_process)
+        trainer.data_collator = CrossTokenizerCollator(trainer.data_collator, self.teacher_tokenizer.pad_token_id or 0)
+
+    def before_step(self, batch_samples: list[dict]) -> None:
+        """None: the teacher reads its own ids, per micro-batch."""
+
+    def pop_batch(self, inputs: dict):
+        return pop_cross_batch(inputs)
+
+    def logit_candidates(self, model_inputs: dict, extras) -> list[tuple[str, object, object, dict]]:
+        return [("teacher", self.engine, self.module, teacher_inputs(extras))]  # on its own tokens
+
+    def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> CrossRows:
+        rows = self.teacher_rows(extras, mask, keep)
+        check_teacher_finite(rows.states, self.trainer.accelerator, f"step {self.trainer.state.global_step + 1}")
+        return rows
+
+    cache_refusal = ("`trl-distill cache-teacher` writes the teacher's top-k in the student's token ids; this teacher "
+                     "has another tokenizer. Train with it live (cross-tokenizer distillation).")
 
     def build_loss(self, student_vocab: int, teacher_vocab: int, settings: LossSettings, announce: bool = True) -> None:
         if len(self.teacher_tokenizer) > teacher_vocab:
@@ -83,7 +93,7 @@ class CrossTokenizer:
 
     # ---- Data ----
 
-    def add_columns(self, dataset, name: str):
+    def prepare_dataset(self, dataset, name: str):
         """The prepared `dataset` with the teacher's ids and each row's group positions (empty where the row's
         completion cannot be aligned: counted and logged)."""
         if not hasattr(dataset, "column_names") or not hasattr(dataset, "__len__"):
@@ -107,17 +117,14 @@ class CrossTokenizer:
 
         dataset = dataset.map(columns, num_proc=self.args.dataset_num_proc, desc=f"Aligning {name} for the teacher")
         unaligned = sum(1 for positions in dataset[STUDENT_POSITIONS] if not positions)
-        if unaligned and PartialState().is_main_process:
+        if unaligned and self.args.process_index == 0:
             logger.warning("trl_distill: %d of %d %s rows have no completion text both tokenizers can align; they "
                            "train on CE only.", unaligned, len(dataset), name)
         return dataset
 
-    def collator(self, collator):
-        return CrossTokenizerCollator(collator, self.teacher_tokenizer.pad_token_id or 0)
-
     # ---- The loss ----
 
-    def teacher_rows(self, teacher, batch: tuple, mask: torch.Tensor, keep: torch.Tensor) -> CrossRows:
+    def teacher_rows(self, batch: tuple, mask: torch.Tensor, keep: torch.Tensor) -> CrossRows:
         """Run the teacher on its own ids (every rank: ZeRO-3 gathers are collective) and lay its states at the
         groups onto the loss's rows (`mask` ``[B, K]`` over the positions `keep`, row-major)."""
         groups = batch[2]
@@ -128,16 +135,13 @@ class CrossTokenizer:
         valid = (keep[column] == s_pos) & mask.flatten()[flat] if keep.numel() else torch.zeros_like(s_pos, dtype=bool)
         rows, t_pos, flat = rows[valid], t_pos[valid], flat[valid]
         keep_t = torch.unique(t_pos)
-        features = teacher.features(teacher_inputs(batch), keep_t)
+        features = self.features(teacher_inputs(batch), keep_t)
         states = features.states[rows, torch.searchsorted(keep_t, t_pos)]
         index = (mask.flatten().cumsum(0) - 1)[flat]
         n = int(mask.sum())
         laid = states.new_zeros(n, states.shape[-1]).index_copy_(0, index, states)
         is_group = torch.zeros(n, dtype=torch.bool, device=laid.device).index_fill_(0, index, True)
-        return CrossRows(laid, is_group, features.head)
-
-    def signal(self, rows: CrossRows, settings: LossSettings) -> CrossTokenizerSignal:
-        return CrossTokenizerSignal(rows, self.loss, settings.temperature)
+        return CrossRows(laid, is_group, features.head, self.loss)
 
 
 class CrossTokenizerCollator:
@@ -160,10 +164,15 @@ class CrossTokenizerCollator:
 
 class CrossRows:
     """The teacher's last hidden states (or own logits, on the exact path) laid onto the loss's rows; zeros, and
-    ``is_group`` False, on rows no group starts at."""
+    ``is_group`` False, on rows no group starts at (a `base.TeacherBatch`)."""
 
-    def __init__(self, states: torch.Tensor, is_group: torch.Tensor, head):
-        self.states, self.is_group, self.head = states, is_group, head
+    def __init__(self, states: torch.Tensor, is_group: torch.Tensor, head, loss: CrossTokenizerLoss):
+        self.states, self.is_group, self.head, self.loss = states, is_group, head, loss
+
+    def signal(self, rows: torch.Tensor | None, n: int, settings: LossSettings) -> CrossTokenizerSignal:
+        if self.states.shape[0] != n:
+            raise RuntimeError(f"The teacher has {self.states.shape[0]} loss rows, the student {n}.")
+        return CrossTokenizerSignal(self, self.loss, settings.temperature)
 
 
 class CrossTokenizerSignal:

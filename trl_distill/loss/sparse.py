@@ -24,10 +24,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .divergences import at_temperature
-from .losses import DistillationLossOutput, LossSettings, fused_loss, head_shape, select_loss_rows
-from .modeling import LMHead
+from .fused import LossSettings
 
-__all__ = ["SparseSignalChunks", "SparseTeacherSignal", "sparse_distillation_loss", "top_k_teacher_signal"]
+__all__ = ["SparseSignalChunks", "SparseTeacherSignal", "top_k_teacher_signal"]
 
 # An empty bucket's log-probability (k = V leaves no tail): finite, so neither values nor gradients become NaN,
 # and exp() of it is exactly 0 in fp32, so it adds nothing to any divergence.
@@ -89,34 +88,3 @@ class SparseSignalChunks:
     def per_token(student_logp: Tensor, chunk: tuple[Tensor, Tensor], settings: LossSettings) -> Tensor:
         ids, teacher_buckets = chunk
         return settings.per_token(bucketed(student_logp, ids), teacher_buckets.to(student_logp.dtype))
-
-
-def sparse_distillation_loss(
-    student_hidden: Tensor,
-    student_lm_head_weight: Tensor | None,
-    teacher: SparseTeacherSignal,
-    mask: Tensor | None = None,
-    loss_type: str = "forward_kl",
-    *,
-    labels: Tensor | None = None,
-    student_lm_head_bias: Tensor | None = None,
-    num_items_in_batch: int | Tensor | None = None,
-    student_logit_scale: float | None = None,
-    student_softcap: float | None = None,
-    **settings,
-) -> DistillationLossOutput:
-    """`losses.chunked_distillation_loss` with the teacher given as a sparse signal (see the module docstring).
-
-    ``teacher`` holds one row per selected token (``mask`` True, row-major), in order; its ids index the student's
-    first ``vocab_size`` logits (default: all). Everything else is as in `chunked_distillation_loss` (a None
-    weight: ``student_hidden`` are the student's own logits; ``settings``: the `LossSettings` fields).
-    """
-    head = None if student_lm_head_weight is None else LMHead(
-        student_lm_head_weight, student_lm_head_bias, student_logit_scale, student_softcap)
-    vocab_size = settings.pop("vocab_size", None)
-    loss = LossSettings(divergence=loss_type, vocab_size=head_shape(student_hidden, head)[0] if vocab_size is None
-                        else vocab_size, **settings)
-    s_flat, rows, labels = select_loss_rows(student_hidden, mask, labels)
-    n = s_flat.shape[0] if rows is None else rows.numel()
-    return fused_loss(s_flat, head, SparseSignalChunks(teacher, n, loss.vocab_size), loss, rows, labels,
-                      num_items_in_batch)

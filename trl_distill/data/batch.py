@@ -1,4 +1,5 @@
-"""A sparse teacher signal carried in a batch, from the collator that fetched it to `compute_loss` that uses it.
+"""What a collated batch carries besides the model's inputs: its loss tokens (`loss_tokens`), and a sparse teacher
+signal, from the collator that fetched it to `compute_loss` that uses it.
 
 The teacher cache reads its rows' signal in the collator; a served teacher's collator sends a request and leaves a
 future in the batch, so the answer arrives while the student computes earlier micro-batches. Either way the batch
@@ -9,9 +10,18 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from .sparse_losses import SparseTeacherSignal
+import torch
+
+from ..loss.sparse import SparseTeacherSignal
 
 SIGNAL = "teacher_signal"  # the batch key
+
+
+def loss_tokens(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(target, mask)`` ``[B, T']``: the token each position predicts (the shifted labels) and where it is a loss
+    token. Position t predicts ``target[:, t]``. The one definition training, the step pass and the caches use."""
+    target = inputs["shift_labels"] if "shift_labels" in inputs else inputs["labels"][:, 1:]
+    return target, target != -100
 
 
 class SignalHolder:

@@ -1,9 +1,9 @@
 """A teacher served by vLLM (an OpenAI-compatible server): its sparse top-k signal, fetched over HTTP.
 
-`ServedTeacher.top_k` sends a row's token ids as the ``prompt`` of ``/v1/completions`` with ``max_tokens=1`` and
+`TeacherServerClient.top_k` sends a row's token ids as the ``prompt`` of ``/v1/completions`` with ``max_tokens=1`` and
 ``prompt_logprobs=k``: per position t >= 1 the server returns the teacher's k most likely tokens after the prefix
 ``ids[:t]`` (ranked, plus the actual token when it is not among them). The tail log mass is what they leave,
-``log(1 − Σ p_i)``: the same `sparse_losses.SparseTeacherSignal` the ZeRO-3 teacher writes into a cache.
+``log(1 − Σ p_i)``: the same `loss.sparse.SparseTeacherSignal` the ZeRO-3 teacher writes into a cache.
 
 Temperature 1 only: vLLM's prompt log-probs are the raw model's whatever its ``--logprobs-mode`` (vLLM 0.32
 documents that its processed modes apply no sampling processor, temperature included, to prompt tokens), and the
@@ -22,14 +22,14 @@ import urllib.request
 import numpy as np
 import torch
 
-from .sparse_losses import SparseTeacherSignal
+from ..loss.sparse import SparseTeacherSignal
 
 
 class TeacherServerError(ConnectionError):
     """The teacher server did not answer (down, unreachable or too slow), after every retry."""
 
 
-class ServedTeacher:
+class TeacherServerClient:
     """The teacher `model` served at `url` (e.g. ``http://host:8000``)."""
 
     def __init__(self, url: str, model: str, timeout: float = 60.0, retries: int = 3, backoff: float = 1.0):

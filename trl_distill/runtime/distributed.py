@@ -19,7 +19,7 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import str_to_bool
 
-from .compat import partial_state_fields, reset_accelerate_state
+from ..compat import partial_state_fields, reset_accelerate_state
 
 
 def free_port() -> int:

@@ -1,0 +1,49 @@
+"""Test-side helpers that call the library's own pieces in one line (not part of the package)."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from trl_distill.cache.writer import fill_teacher_cache, open_teacher_cache
+from trl_distill.loss.fused import DistillationLossOutput, LossSettings, fused_loss, head_shape, select_loss_rows
+from trl_distill.loss.sparse import SparseSignalChunks, SparseTeacherSignal
+from trl_distill.model.fused_forward import LMHead
+
+
+def write_teacher_cache(trainer, directory: str, *, top_k: int = 64, shard_rows: int = 1024,
+                        batch_size: int | None = None, log_prob_dtype: str = "7bit", on_shard=None):
+    """`open_teacher_cache` then `fill_teacher_cache`, as `trl-distill cache-teacher` runs them. Collective."""
+    manifest = open_teacher_cache(trainer, directory, top_k=top_k, shard_rows=shard_rows,
+                                  log_prob_dtype=log_prob_dtype)
+    return fill_teacher_cache(trainer, directory, manifest, batch_size=batch_size, on_shard=on_shard)
+
+
+def sparse_distillation_loss(
+    student_hidden: Tensor,
+    student_lm_head_weight: Tensor | None,
+    teacher: SparseTeacherSignal,
+    mask: Tensor | None = None,
+    loss_type: str = "forward_kl",
+    *,
+    labels: Tensor | None = None,
+    student_lm_head_bias: Tensor | None = None,
+    num_items_in_batch: int | Tensor | None = None,
+    student_logit_scale: float | None = None,
+    student_softcap: float | None = None,
+    **settings,
+) -> DistillationLossOutput:
+    """`losses.chunked_distillation_loss` with the teacher given as a sparse signal (see the module docstring).
+
+    ``teacher`` holds one row per selected token (``mask`` True, row-major), in order; its ids index the student's
+    first ``vocab_size`` logits (default: all). Everything else is as in `chunked_distillation_loss` (a None
+    weight: ``student_hidden`` are the student's own logits; ``settings``: the `LossSettings` fields).
+    """
+    head = None if student_lm_head_weight is None else LMHead(
+        student_lm_head_weight, student_lm_head_bias, student_logit_scale, student_softcap)
+    vocab_size = settings.pop("vocab_size", None)
+    loss = LossSettings(divergence=loss_type, vocab_size=head_shape(student_hidden, head)[0] if vocab_size is None
+                        else vocab_size, **settings)
+    s_flat, rows, labels = select_loss_rows(student_hidden, mask, labels)
+    n = s_flat.shape[0] if rows is None else rows.numel()
+    return fused_loss(s_flat, head, SparseSignalChunks(teacher, n, loss.vocab_size), loss, rows, labels,
+                      num_items_in_batch)

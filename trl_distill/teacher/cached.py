@@ -1,0 +1,74 @@
+"""A teacher read from a cache written by `trl-distill cache-teacher`: no teacher model in the job; each batch gets
+its rows' top-k from the cache as it is collated, and the loss runs on that sparse signal (`loss.sparse`)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from ..cache.reader import TeacherCache
+from ..data.batch import SIGNAL, SignalHolder, pop_signal
+from .base import TeacherSource
+from .rows import SparseRows
+
+logger = logging.getLogger(__name__)
+
+ROW = "teacher_cache_row"  # the column added to the prepared train dataset: the row's index in the cache
+
+
+class CachedTeacher(TeacherSource):
+    """The teacher cache at `directory` as the source of each batch's teacher signal."""
+
+    columns = (ROW,)
+    name = None  # what the run record holds: no teacher model
+    refused = {
+        "on-policy": "A teacher cache holds the teacher's distribution on the dataset's completions only; on-policy "
+        "(lmbda > 0) and sequence-level (seq_kd) distillation need the live teacher. Drop --teacher_cache or set "
+        "lmbda=0 and seq_kd=False.",
+        "packing": "Training from a teacher cache does not support packing / padding_free yet: the cache holds one "
+        "row per unpacked example. Set packing=False and padding_free=False.",
+        "eval": "Evaluation needs the teacher's distribution on the eval split, which the teacher cache does not hold: "
+        "pass no eval_dataset (--eval_strategy no) with teacher_cache.",
+        "cross-tokenizer": "A teacher cache holds the teacher's top-k in the student's token ids: a teacher with "
+        "another tokenizer needs the live teacher (--teacher_model_name_or_path). Drop --teacher_cache, or drop "
+        "teacher_tokenizer_name_or_path and cross_tokenizer.",
+    }
+
+    def __init__(self, directory: str):
+        self.cache = TeacherCache(directory)
+
+    def describe(self) -> str:
+        return f"the teacher cache {self.cache.directory}"
+
+    def attach(self, trainer) -> None:
+        """Check the cache fits the prepared train dataset, number its rows and wrap the collator to add their
+        signal."""
+        super().attach(trainer)
+        dataset, args = trainer.train_dataset, trainer.args
+        if not hasattr(dataset, "add_column") or "labels" not in dataset.column_names:
+            raise ValueError("Training from a teacher cache needs a prepared (map-style) train dataset with `labels`, "
+                             "as SFT's dataset preparation makes it (not an IterableDataset or skip_prepare_dataset).")
+        self.cache.check_fits(trainer.processing_class, trainer.vocab_size, args.temperature, args.max_length, dataset)
+        trainer.train_dataset = dataset.add_column(ROW, np.arange(len(dataset), dtype=np.int64))
+        trainer.data_collator = CachedTeacherCollator(trainer.data_collator, self.cache)
+
+    def pop_batch(self, inputs: dict):
+        return pop_signal(inputs)
+
+    def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> SparseRows:
+        return SparseRows(extras)
+
+
+class CachedTeacherCollator:
+    """Wraps the trainer's collator: pops each example's cache row and adds the rows' signal to the batch."""
+
+    def __init__(self, collator, cache: TeacherCache):
+        self.collator, self.cache = collator, cache
+
+    def __call__(self, examples: list[dict]) -> dict:
+        rows = [int(example[ROW]) for example in examples]
+        batch = self.collator([{k: v for k, v in example.items() if k != ROW} for example in examples])
+        batch[SIGNAL] = SignalHolder(self.cache.signal(rows))
+        return batch

@@ -1,0 +1,290 @@
+"""A teacher model run here, frozen: its DeepSpeed plugin, load (partitioned from the start), prepare once, the
+once-per-step pass, features for the loss, a model to sample from, the top-k for a cache; never saved.
+
+With DeepSpeed the teacher has its own plugin ("teacher", ZeRO-3 inference) beside the student's ("student").
+It is loaded while its plugin is selected, so `from_pretrained` runs under `zero.Init` and no rank ever holds
+the whole teacher; it is prepared into its own engine without disturbing what the Trainer relies on (the
+engine that receives `backward`, the config `save_model` reads; `compat.accelerator_state_kept`); the student's
+plugin is selected again in every case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+
+import torch
+from accelerate.utils import DeepSpeedPlugin
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.integrations import is_deepspeed_zero3_enabled
+
+from ..compat import accelerator_state_kept, prepare_inputs
+from ..data.batch import loss_tokens
+from ..loss.sparse import top_k_teacher_signal
+from ..model.fused_forward import LossFeatures, add_fused_distillation_forward, gathered, hidden_size
+from ..model.logit_check import probe_inputs, settle_logit_paths
+from ..runtime.deepspeed_config import build_teacher_config
+from ..runtime.validation import check_model_path, check_teacher_finite, check_tokenizers_match, check_weights_complete
+from .base import TeacherSource
+from .rows import DenseRows
+from .step_pass import TeacherStepPass
+from .zero3_loading import load_partitioned, loadable
+
+logger = logging.getLogger(__name__)
+
+STUDENT, TEACHER = "student", "teacher"
+# Loss tokens projected through the teacher's lm_head at a time when writing a cache (bounds the [rows, V] logits)
+_ROWS_PER_PROJECTION = 256
+
+
+def uses_two_plugins(accelerator) -> bool:
+    plugins = getattr(accelerator.state, "deepspeed_plugins", None)
+    return isinstance(plugins, dict) and TEACHER in plugins
+
+
+@contextlib.contextmanager
+def teacher_plugin_selected(accelerator):
+    """Select the teacher's DeepSpeed plugin for the block; always select the student's again after it."""
+    accelerator.state.select_deepspeed_plugin(TEACHER)
+    try:
+        yield accelerator.state.get_deepspeed_plugin(TEACHER)
+    finally:
+        accelerator.state.select_deepspeed_plugin(STUDENT)
+
+
+class LiveTeacher(TeacherSource):
+    """A frozen teacher model, loaded lazily and prepared exactly once (ZeRO-3 under DeepSpeed).
+
+    Args:
+        source: a `PreTrainedModel`, or a path / hub id to load with `from_pretrained`.
+        init_kwargs: keyword arguments for `from_pretrained` (ignored for a model instance).
+        tokenizer: the teacher's own tokenizer, when it has one (checked against the student's as it attaches).
+    """
+
+    def __init__(self, source: str | os.PathLike | PreTrainedModel, init_kwargs: dict | None = None, tokenizer=None):
+        if isinstance(source, os.PathLike):
+            source = os.fspath(source)
+        if not isinstance(source, (str, PreTrainedModel)):
+            raise TypeError(
+                f"teacher_model must be a transformers PreTrainedModel or a path / hub id, got "
+                f"{type(source).__name__}. (A PEFT model as teacher: merge it first with `merge_and_unload()`.)"
+            )
+        if isinstance(source, str):
+            check_model_path(source, "teacher_model")
+            check_weights_complete(source, "teacher_model")
+        self.source = source
+        self.init_kwargs = dict(init_kwargs or {})
+        self.tokenizer = tokenizer
+        self.module: nn.Module | None = None  # the unwrapped model
+        self.engine: nn.Module | None = None  # what runs the forward: a DeepSpeed engine or the module
+        self.step_pass: TeacherStepPass | None = None
+        self.config_notes: list[str] = []
+
+
+
+    @functools.cached_property
+    def config(self):
+        """The teacher's config, read without loading its weights."""
+        if isinstance(self.source, PreTrainedModel):
+            return self.source.config
+        from transformers import AutoConfig
+
+        kwargs = {k: self.init_kwargs[k] for k in ("revision", "trust_remote_code") if k in self.init_kwargs}
+        return AutoConfig.from_pretrained(self.source, **kwargs)
+
+    @property
+    def prepared(self) -> bool:
+        return self.engine is not None
+
+    @property
+    def name(self) -> str:
+        """The path or hub id it was loaded from (what a checkpoint records)."""
+        return self.source if isinstance(self.source, str) else self.config.name_or_path
+
+    @property
+    def revision(self) -> str | None:
+        return self.init_kwargs.get("revision")
+
+    def describe(self) -> str:
+        return f"the model {self.name}"
+
+    def plugin(self, args, student_plugin) -> DeepSpeedPlugin | None:
+        """The teacher's own DeepSpeed plugin beside `student_plugin`: ZeRO-3 inference unless `args.teacher_deepspeed`
+        says otherwise (see `deepspeed_config.build_teacher_config`). `config_notes` says what was filled. None for a
+        student without DeepSpeed (the teacher then runs on the training device)."""
+        if student_plugin is None:
+            if args.teacher_deepspeed is not None:
+                raise ValueError(
+                    "`teacher_deepspeed` is set but the student does not use DeepSpeed. Pass `deepspeed=` (e.g. a "
+                    "ZeRO-2 config) or launch with `accelerate launch --use_deepspeed`."
+                )
+            return None
+        self.config_notes = []
+        config = build_teacher_config(args.teacher_deepspeed, student_plugin.deepspeed_config, args,
+                                      hidden_size(self.config), notes=self.config_notes)
+        stage = config["zero_optimization"].get("stage", 0)
+        if args.seq_kd and stage == 3:
+            # Sampling runs the teacher's own lm_head, which our loss gathers itself; DeepSpeed's prefetcher would
+            # then have it in flight when the loss gathers it (deepspeed 0.19.8). Fetch on demand instead.
+            config["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
+        return DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=stage == 3)
+
+    def generation(self, num_processes: int) -> tuple[nn.Module, object, bool]:
+        """``(model, context, synced_gpus)`` for sampling from the teacher: a partitioned teacher samples with every
+        rank stepping until all ranks are done."""
+        return self.module, contextlib.nullcontext, num_processes > 1 and self.engine is not self.module
+
+    def _load(self) -> PreTrainedModel:
+        if isinstance(self.source, PreTrainedModel):
+            return self.source
+        kwargs = {"trust_remote_code": False, **self.init_kwargs}
+        if kwargs.pop("device_map", None) is not None:
+            logger.warning("Ignoring the teacher's `device_map`: the teacher is placed by DeepSpeed or on the "
+                           "training device.")
+        if is_deepspeed_zero3_enabled() and loadable(self.source, kwargs):
+            model = load_partitioned(self.source, kwargs)  # each rank reads only its partition's bytes
+            if model is not None:
+                return model
+        return AutoModelForCausalLM.from_pretrained(self.source, **kwargs)
+
+    def prepare(self, accelerator, device: torch.device) -> None:
+        """Load (if needed) and prepare the teacher. Collective under DeepSpeed: call on every rank, once."""
+        if self.prepared:
+            return
+        if uses_two_plugins(accelerator):
+            with teacher_plugin_selected(accelerator):
+                model = self._load()
+                freeze(model)
+                add_fused_distillation_forward(model)
+                with accelerator_state_kept(accelerator):
+                    engine = accelerator.prepare(model)
+            engine.eval()
+        else:
+            model = self._load()
+            freeze(model)
+            add_fused_distillation_forward(model)
+            engine = model.to(device)
+        self.module, self.engine = model, engine
+        if isinstance(self.source, PreTrainedModel):
+            self.source = model
+
+    def vocab_config(self, student_config):
+        return self.config
+
+    def attach(self, trainer) -> None:
+        """Its dtype follows the student's unless `teacher_model_init_kwargs` names one; its tokenizer must map tokens
+        to the student's ids; the once-per-step pass gets the trainer."""
+        super().attach(trainer)
+        if not {"dtype", "torch_dtype"} & set(self.init_kwargs):
+            self.init_kwargs["dtype"] = trainer.student.dtype
+        check_tokenizers_match(trainer.processing_class, self.tokenizer)
+        self.step_pass = TeacherStepPass(trainer, self)
+
+    @torch.no_grad()
+    def features(self, model_inputs: dict, positions: torch.Tensor | None = None) -> LossFeatures:
+        """What the loss needs of the teacher at sequence `positions` (all if None): its last hidden states
+        ``[B, K, H_t]`` and lm_head, or its own logits ``[B, K, V_t]`` on the exact path. Every rank must call it:
+        ZeRO-3 gathers are collective."""
+        if not self.prepared:
+            raise RuntimeError(
+                "The teacher is not prepared. DistillationTrainer prepares it in get_train_dataloader(), "
+                "get_eval_dataloader() and get_test_dataloader(); call one of them (or train/evaluate/predict) "
+                "before computing a loss."
+            )
+        return self.engine(**model_inputs, fused_distillation=as_is, loss_positions=positions)
+
+    # ---- In training: the step pass, the logit check, the loss's teacher rows ----
+
+    def logit_candidates(self, model_inputs: dict, extras) -> list[tuple[str, object, object, dict]]:
+        return [("teacher", self.engine, self.module, model_inputs)]
+
+    def before_step(self, batch_samples: list[dict]) -> None:
+        if self.step_pass.applies(batch_samples):
+            self.step_pass.run(batch_samples)
+
+    def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> DenseRows:
+        trainer = self.trainer
+        rows = self.step_pass.take(model_inputs) if trainer.model.training else None  # computed ahead for the step
+        if rows is not None:
+            return rows
+        # Every rank runs every teacher forward, even with no loss token: ZeRO-3 gathers are collective.
+        features = self.features(model_inputs, keep)
+        check_teacher_finite(features.states, trainer.accelerator, f"step {trainer.state.global_step + 1}")
+        return DenseRows(features.states, features.head)
+
+    def after_loss(self) -> None:
+        self.step_pass.after_loss()
+
+    def release(self) -> None:
+        """Nothing computed ahead outlives training (nor the held lm_head)."""
+        if self.step_pass is not None:
+            self.step_pass.release()
+
+    # ---- cache-teacher ----
+
+    cache_refusal = None
+
+    def open_for_cache(self, columns, top_k: int) -> None:
+        """Prepare the teacher (collective) and check its fused logits against its own on the first row."""
+        trainer = self.trainer
+        self.prepare(trainer.accelerator, trainer.args.device)
+        batch = _model_inputs(prepare_inputs(trainer, trainer.data_collator([columns[0]])))
+        (path,) = settle_logit_paths([("teacher", self.engine, self.module)], probe_inputs(batch), trainer.accelerator)
+        if trainer.accelerator.is_main_process:
+            print(path.describe(trainer.vocab_size, batch["input_ids"].numel()), flush=True)
+
+    def cache_records(self, columns, mine: list[range], steps: int, filler: range, top_k: int,
+                      temperature: float) -> list[dict]:
+        records = []
+        for step in range(steps):
+            # A rank with no batch left runs `filler` again and drops it: every forward is collective.
+            rows = mine[step] if step < len(mine) else filler
+            out = self._top_k_rows(columns, rows, top_k, temperature, f"cache row {rows.start}")
+            records += out if step < len(mine) else []
+        return records
+
+    @torch.no_grad()
+    def _top_k_rows(self, columns, rows: range, top_k: int, temperature: float, where: str) -> list[dict]:
+        """The sparse teacher signal of the prepared rows `rows`, one record per row."""
+        trainer = self.trainer
+        examples = [columns[i] for i in rows]
+        batch = prepare_inputs(trainer, trainer.data_collator(examples))
+        _, mask = loss_tokens(batch)  # position t predicts labels[t + 1], as in training
+        batch = _model_inputs(batch)
+        keep = mask.any(0).nonzero().squeeze(1)
+        features, vocab = self.features(batch, keep), trainer.vocab_size
+        check_teacher_finite(features.states, trainer.accelerator, where)  # what a cache holds persists: check it
+        records = []
+        with gathered(*(features.head.params if features.head is not None else ())):
+            for b, row in enumerate(rows):
+                kept = mask[b, keep].nonzero().squeeze(1)
+                parts = []
+                for start in range(0, kept.numel(), _ROWS_PER_PROJECTION):
+                    states = features.states[b, kept[start : start + _ROWS_PER_PROJECTION]]
+                    logits = states.float() if features.head is None else features.head.logits(states)
+                    parts.append(top_k_teacher_signal(logits[:, :vocab], top_k, temperature))
+                if parts:
+                    ids, log_probs, tail = (torch.cat(x) for x in zip(*parts, strict=True))
+                else:
+                    ids, log_probs, tail = torch.empty(0, top_k), torch.empty(0, top_k), torch.empty(0)
+                records.append({"row": row, "input_ids": examples[b]["input_ids"],
+                                "positions": keep[kept].cpu().numpy(), "top_k_ids": ids.cpu().numpy(),
+                                "top_k_log_probs": log_probs.cpu().numpy(), "tail_log_prob": tail.cpu().numpy()})
+        return records
+
+
+def _model_inputs(batch: dict) -> dict:
+    return {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+
+
+def as_is(features: LossFeatures) -> LossFeatures:
+    """The fused forward's hook that hands the features back untouched (a teacher's forward)."""
+    return features
+
+
+def freeze(model: nn.Module) -> None:
+    model.eval()
+    model.requires_grad_(False)

@@ -1,0 +1,141 @@
+"""Which kind of teacher a run distils from, decided once from the arguments (`resolve_teacher`), and the settings
+each kind refuses as the config is built (`refuse_unsupported`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from transformers import PreTrainedModel, TrainingArguments
+
+from ..data.prepare import tokenizer_of
+from .base import TeacherSource
+from .cached import CachedTeacher
+from .cross_tokenizer import CrossTokenizerTeacher
+from .live import LiveTeacher
+from .self_distill import SELF, SelfTeacher
+from .served import ServedTeacher
+from .support import ARGS_MODES, active_modes, matrix
+
+logger = logging.getLogger(__name__)
+
+KINDS = {"live (ZeRO-3)": LiveTeacher, "self": SelfTeacher, "cache": CachedTeacher, "served (vLLM)": ServedTeacher,
+         "cross-tokenizer": CrossTokenizerTeacher}
+"""Every kind of teacher, by the label the support matrix gives it."""
+
+
+def support_matrix() -> dict[str, dict[str, str]]:
+    """Every kind against every mode: ``"yes"`` or ``"refused: <the message>"`` (the README's table)."""
+    return matrix(KINDS)
+
+
+def refuse_unsupported(args) -> None:
+    """As the config is built: one error for a setting the run's kind of teacher refuses, where the arguments alone
+    name the kind (a cache, a server) and the mode."""
+    kind = ServedTeacher if args.teacher_server is not None else CachedTeacher if args.teacher_cache else None
+    if kind is ServedTeacher:
+        ServedTeacher.check_args(args)
+    for mode in active_modes(args) if kind is not None else ():
+        if mode in ARGS_MODES and mode in kind.refused:
+            raise ValueError(kind.refused[mode])
+
+
+def resolve_teacher(teacher_model, args, *, student, processing_class, eval_dataset, peft_config) -> TeacherSource:
+    """The kind of teacher this run distils from, its refusals checked.
+
+    ``args.teacher_server``: a `ServedTeacher` (`teacher_model` names the served model); ``args.teacher_cache``: a
+    `CachedTeacher`; ``"self"``: a `SelfTeacher`; else `teacher_model` (or ``args.teacher_model_name_or_path``) is a
+    `LiveTeacher`, or a `CrossTokenizerTeacher` when its tokenizer maps tokens to other ids than the student's.
+    """
+    if isinstance(teacher_model, TrainingArguments):
+        raise TypeError("DistillationTrainer(model, teacher_model, args, ...): "
+                        "the second positional argument is the teacher. Pass the training arguments by keyword, "
+                        "`args=...`.")
+    teacher_model = teacher_model if teacher_model is not None else args.teacher_model_name_or_path
+    peft = peft_config is not None or hasattr(student, "disable_adapter")
+    if args.teacher_server is not None:
+        if args.teacher_cache is not None:
+            raise ValueError("Pass either --teacher_server (a served teacher) or --teacher_cache (a cache of it) for "
+                             "training, not both; `cache-teacher --teacher_server URL --teacher_cache DIR` writes the "
+                             "cache from the server.")
+        if teacher_model is not None and not isinstance(teacher_model, str):
+            raise ValueError("With teacher_server the teacher runs on the server: pass its served name (a string) or "
+                             "nothing as the teacher, not a model.")
+        ServedTeacher.refuse(args, eval_dataset=eval_dataset, peft=peft)
+        return ServedTeacher(args.teacher_server, teacher_model, args.teacher_server_top_k,
+                             args.teacher_server_timeout, args.teacher_server_concurrency)
+    if args.teacher_cache is not None:
+        CachedTeacher.refuse(args, eval_dataset=eval_dataset, peft=peft)
+        if teacher_model is not None:
+            logger.warning("Training from the teacher cache %s: the teacher %s is not loaded.", args.teacher_cache,
+                           teacher_model if isinstance(teacher_model, str) else "model")
+        return CachedTeacher(args.teacher_cache)
+    if teacher_model is None:
+        raise ValueError("No teacher: pass `teacher_model=` or set `teacher_model_name_or_path` in the config.")
+    if isinstance(teacher_model, str) and teacher_model == SELF:
+        if not peft:
+            raise ValueError(
+                "teacher 'self' (self-distillation) uses the student's base model with its LoRA adapters disabled, so "
+                "it needs a PEFT student: pass `peft_config=` (CLI: --use_peft)."
+            )
+        SelfTeacher.refuse(args, eval_dataset=eval_dataset, peft=peft)
+        return SelfTeacher()
+    source = _live_or_cross(teacher_model, args, student, processing_class)  # its tokenizer decides which
+    source.refuse(args, eval_dataset=eval_dataset, peft=peft)
+    return source
+
+
+def _live_or_cross(teacher_model, args, student, processing_class) -> LiveTeacher:
+    """A `LiveTeacher` with its own tokenizer (when it has one), or a `CrossTokenizerTeacher` when that tokenizer
+    maps tokens to other ids than the student's (or `args.cross_tokenizer` says so)."""
+    live = LiveTeacher(teacher_model, args.teacher_model_init_kwargs)
+    tokenizer = load_teacher_tokenizer(args, live.source)
+    mine = processing_class or tokenizer_of(student) if tokenizer is not None else None
+    if mine is not None and wants_cross_tokenizer(args, mine, tokenizer):
+        return CrossTokenizerTeacher(live.source, args.teacher_model_init_kwargs, mine, tokenizer, args)
+    live.tokenizer = tokenizer
+    return live
+
+
+def load_teacher_tokenizer(args, source: str | PreTrainedModel):
+    """The teacher's tokenizer: `teacher_tokenizer_name_or_path`, else the one saved with the teacher; None when
+    there is none to load (a model object without a tokenizer path)."""
+    from transformers import AutoTokenizer
+
+    path = args.teacher_tokenizer_name_or_path
+    if path is None and isinstance(source, str | os.PathLike):
+        try:
+            return AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError):
+            return None
+    return None if path is None else AutoTokenizer.from_pretrained(path)
+
+
+def wants_cross_tokenizer(args, student_tokenizer, teacher_tokenizer) -> bool:
+    """Whether to distil across tokenizers: as `args.cross_tokenizer` says, else when their vocabularies differ."""
+    if args.cross_tokenizer is not None:
+        if args.cross_tokenizer and teacher_tokenizer is None:
+            raise ValueError("cross_tokenizer=True needs the teacher's tokenizer: set teacher_tokenizer_name_or_path.")
+        return args.cross_tokenizer
+    return teacher_tokenizer is not None and student_tokenizer.get_vocab() != teacher_tokenizer.get_vocab()
+
+
+def check_teacher_flags(args, use_peft: bool) -> None:
+    """The CLI's checks of the teacher flags that need no model: fail in seconds, before anything is loaded."""
+    from ..runtime.validation import check_model_path
+
+    if not (args.teacher_model_name_or_path or args.teacher_cache or args.teacher_server):
+        raise ValueError("Pass the teacher with --teacher_model_name_or_path (or a cache of it with --teacher_cache, "
+                         "or a vLLM server of it with --teacher_server).")
+    if args.teacher_model_name_or_path == SELF and not use_peft:
+        raise ValueError("--teacher_model_name_or_path self (self-distillation) needs a LoRA student: add --use_peft.")
+    if not (args.teacher_cache or args.teacher_server or args.teacher_model_name_or_path == SELF):
+        # (a cache or a server: the teacher is not loaded here, and with a server the name is the served one)
+        check_model_path(args.teacher_model_name_or_path, "--teacher_model_name_or_path")
+
+
+def check_cacheable_teacher(args) -> None:
+    """`cache-teacher` needs a teacher model or server to write from."""
+    if args.teacher_model_name_or_path in (None, SELF) and not args.teacher_server:
+        raise ValueError("Pass the teacher to cache with --teacher_model_name_or_path (or its vLLM server with "
+                         "--teacher_server URL).")

@@ -1,0 +1,59 @@
+"""Self-distillation of a LoRA student: the teacher is the student's own frozen base model with its adapters
+disabled, so no second copy of the base weights exists."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..model.fused_forward import LossFeatures
+from ..runtime.validation import check_teacher_finite
+from .base import TeacherSource
+from .live import as_is
+from .rows import DenseRows
+
+SELF = "self"
+
+
+class SelfTeacher(TeacherSource):
+    """The student's base with its adapters off (``teacher_model="self"``); bound to the PEFT student as it
+    attaches. Runs once per micro-batch: its forward is the student's own engine."""
+
+    name = SELF
+    refused = {
+        "cross-tokenizer": "teacher 'self' is the student's own base model and shares its tokenizer: cross-tokenizer "
+        "distillation does not apply. Drop teacher_tokenizer_name_or_path and cross_tokenizer.",
+    }
+
+    def __init__(self):
+        self.peft_model: nn.Module | None = None
+        self.module: nn.Module | None = None
+
+    def describe(self) -> str:
+        return "'self' (the student's base)"
+
+    def attach(self, trainer) -> None:
+        super().attach(trainer)
+        if not hasattr(trainer.model, "disable_adapter"):
+            raise ValueError("teacher 'self' needs a PEFT student; the student is not a PeftModel.")
+        self.peft_model, self.module = trainer.model, trainer.model.get_base_model()
+
+    def generation(self, num_processes: int) -> tuple[nn.Module, object, bool]:
+        """Sampling from the base: the PEFT model with its adapters disabled."""
+        return self.peft_model, self.peft_model.disable_adapter, False
+
+    @torch.no_grad()
+    def features(self, model_inputs: dict, positions: torch.Tensor | None = None) -> LossFeatures:
+        was_training = self.module.training
+        self.module.eval()  # the frozen base, without dropout
+        try:
+            # adapters off: a trained `modules_to_save` lm_head falls back to the original too
+            with self.peft_model.disable_adapter():
+                return self.module(**model_inputs, fused_distillation=as_is, loss_positions=positions)
+        finally:
+            self.module.train(was_training)
+
+    def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> DenseRows:
+        features = self.features(model_inputs, keep)
+        check_teacher_finite(features.states, self.trainer.accelerator, f"step {self.trainer.state.global_step + 1}")
+        return DenseRows(features.states, features.head)

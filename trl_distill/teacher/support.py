@@ -1,0 +1,36 @@
+"""The modes of a run that a kind of teacher may refuse, and which of them a run uses.
+
+Each kind declares what it refuses in `TeacherSource.refused` (mode -> the one-line message); `matrix` lays every
+kind against every mode for the README's support matrix, which `tests/teacher/test_support.py` checks cell by cell.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Mode = Literal["off-policy", "on-policy", "packing", "eval", "gradient accumulation", "LoRA", "cross-tokenizer"]
+MODES: tuple[Mode, ...] = ("off-policy", "on-policy", "packing", "eval", "gradient accumulation", "LoRA",
+                           "cross-tokenizer")
+
+ARGS_MODES: tuple[Mode, ...] = ("on-policy", "packing", "cross-tokenizer")
+"""The modes the arguments alone decide (refused as the config is built)."""
+
+
+def active_modes(args, *, eval_dataset=None, peft: bool = False) -> list[Mode]:
+    """The modes this run uses: from its arguments, its eval split and whether the student is a PEFT model."""
+    on = {
+        "off-policy": args.lmbda < 1,
+        "on-policy": args.lmbda > 0 or bool(args.seq_kd),
+        "packing": bool(args.packing or args.padding_free),
+        "eval": eval_dataset is not None,
+        "gradient accumulation": args.gradient_accumulation_steps > 1,
+        "LoRA": peft,
+        "cross-tokenizer": bool(args.cross_tokenizer) or args.teacher_tokenizer_name_or_path is not None,
+    }
+    return [mode for mode in MODES if on[mode]]
+
+
+def matrix(kinds: dict[str, type]) -> dict[str, dict[Mode, str]]:
+    """``{kind label: {mode: "yes" or "refused: <message>"}}`` from each kind's `refused` table."""
+    return {label: {mode: f"refused: {kind.refused[mode]}" if mode in kind.refused else "yes" for mode in MODES}
+            for label, kind in kinds.items()}
