@@ -66,11 +66,11 @@ clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache
 
 # Evidence that distillation works: KD vs SFT-only students on the Python stdlib's own source, 3 seeds, through the
-# CLI. Writes benchmarks/quality/results/kd_vs_sft.{json,md,png} and the README table: 19 CPU-minutes; 15.8 min wall
+# CLI. Writes benchmarks/quality/results/kd_vs_sft.{json,md,png} and the table in docs/benchmarks.md: 19 CPU-minutes; 15.8 min wall
 # measured on a fresh clone with the 2 cores partly shared (load average 3).
 .PHONY: experiment experiment-cross
 # Cross-tokenizer KD vs SFT-only (a teacher with a BPE-4096 tokenizer, students with a BPE-2048 one of other merges),
-# 3 seeds: writes benchmarks/quality/results/cross_tokenizer_kd.{json,md,png} and the README table (about 7 minutes)
+# 3 seeds: writes benchmarks/quality/results/cross_tokenizer_kd.{json,md,png} and the table in docs/benchmarks.md (about 7 minutes)
 experiment-cross: setup
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality/cross_tokenizer_kd.py

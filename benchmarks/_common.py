@@ -31,8 +31,9 @@ def machine(**extra) -> dict:
             "load_average": list(os.getloadavg()), **extra}
 
 
-def replace_readme_block(markers: tuple[str, str], block: str, readme: Path = ROOT / "README.md") -> bool:
-    """Replace what stands between the README's two markers by `block`; False when the README lacks them."""
+def replace_readme_block(markers: tuple[str, str], block: str, readme: Path = ROOT / "docs" / "benchmarks.md") -> bool:
+    """Replace what stands between the two markers of the results page (docs/benchmarks.md) by `block`; False when
+    the page lacks them."""
     start, end = markers
     text = readme.read_text()
     if start not in text or end not in text:

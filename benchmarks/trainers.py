@@ -374,7 +374,7 @@ def readme_block(rep: dict) -> str:
     return "\n".join(lines)
 
 
-def update_readme(rep: dict, readme: Path = ROOT / "README.md") -> bool:
+def update_readme(rep: dict, readme: Path = ROOT / "docs" / "benchmarks.md") -> bool:
     """Replace the block between the README's markers; False when the README has no markers."""
     return replace_readme_block((README_START, README_END), readme_block(rep), readme)
 

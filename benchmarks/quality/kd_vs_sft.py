@@ -56,7 +56,7 @@ from stdlib_corpus import build as build_corpus  # noqa: E402
 from trl_distill.testing import build_tiny_model, build_tokenizer  # noqa: E402
 
 VOCAB_SIZE = 2048
-SIZES = {  # Llama configs. Shallow: at these step counts 4 layers learnt slower per step than 2 (see the README)
+SIZES = {  # Llama configs. Shallow: at these step counts 4 layers learnt slower per step than 2 (docs/benchmarks.md)
     "teacher": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4),
     "student": dict(hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2),
 }
@@ -218,7 +218,7 @@ def write_report(report: dict, out: Path, readme: bool) -> None:
     (out / "kd_vs_sft.md").write_text(markdown(report))
     plot(report, out / "kd_vs_sft.png")
     if readme:
-        update_readme(report, ROOT / "README.md")
+        update_readme(report, ROOT / "docs" / "benchmarks.md")
     say(f"wrote {out}/kd_vs_sft.{{json,md,png}}{' and the README table' if readme else ''}\n\n{markdown(report)}")
 
 
