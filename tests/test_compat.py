@@ -34,34 +34,115 @@ def trainer(tiny_pair, tmp_path_factory):
                                processing_class=AutoTokenizer.from_pretrained(tiny_pair["tokenizer"]))
 
 
-def test_trainer_privates(trainer):
+def test_prepare_inputs_moves_a_batch_as_the_training_step_does(trainer):
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
     prepared = compat.prepare_inputs(trainer, batch)
     assert prepared["input_ids"].device == trainer.args.device and torch.equal(prepared["labels"], batch["labels"])
-    assert trainer._loss_shifts_labels is True  # set by the trainer through compat; transformers defines it
+
+
+def test_num_items_in_batch_counts_the_shifted_labels(trainer):
+    """Row 0's first label is not -100: the unshifted count is 3, the shifted one (what our loss sums over) 2."""
+    from trl import SFTTrainer
+
+    batch = {"input_ids": torch.tensor([[1, 2, 3, 4]]), "labels": torch.tensor([[5, -100, 7, 8]])}
+    compat.count_items_over_shifted_labels(trainer)  # (the trainer's own set-up already did)
+    _, count = SFTTrainer.get_batch_samples(trainer, iter([batch]), 1, trainer.args.device)
+    assert int(count) == 2
+
+
+def test_a_kept_column_survives_the_unused_column_drop(trainer):
+    from datasets import Dataset
+
+    dataset = Dataset.from_dict({"input_ids": [[1, 2]], "extra": [1], "junk": [2]})
     trainer._set_signature_columns_if_needed()
     compat.keep_dataset_column(trainer, "extra")
-    assert "extra" in trainer._signature_columns and "input_ids" in trainer._signature_columns
-    values = compat.eval_metric_values(trainer, "kd_loss")
-    values.append(1.0)
-    assert trainer._metrics["eval"]["kd_loss"] == [1.0]
-    values.clear()
+    assert trainer._remove_unused_columns(dataset).column_names == ["input_ids", "extra"]
+
+
+def test_eval_metric_values_are_averaged_into_the_eval_log(trainer):
+    compat.eval_metric_values(trainer, "kd_loss").extend([1.0, 3.0])
+    trainer.model.eval()
+    try:
+        trainer.log({"eval_loss": 0.5})
+    finally:
+        trainer.model.train()
+    assert trainer.state.log_history[-1]["eval_kd_loss"] == 2.0 and compat.eval_metric_values(trainer, "kd_loss") == []
+
+
+def test_deepspeed_hidden_from_the_evaluation_loop(trainer):
+    """(What the evaluation loop does with it is tested where a ZeRO-2 student is evaluated before training:
+    tests/test_trainer_distributed.py::test_evaluate_before_and_after_train.)"""
+    before = trainer.is_deepspeed_enabled
     with compat.deepspeed_hidden_from(trainer):
         assert trainer.is_deepspeed_enabled is False
-    assert trainer.is_deepspeed_enabled is True
+    assert trainer.is_deepspeed_enabled is True and before is False
 
 
-def test_accelerate_privates(trainer):
-    accelerator = trainer.accelerator
-    assert isinstance(compat.prepared_models(accelerator), list)
-    assert compat.partial_state_fields()["num_processes"] == 1
+def test_the_output_dir_of_a_run_without_trials(trainer):
+    assert compat.output_dir_of(trainer, None) == trainer.args.output_dir
+
+
+def test_valid_dict_fields_let_the_cli_pass_json(tmp_path):
+    assert "model_init_kwargs" in compat.valid_dict_fields(DistillationConfig)
+    args = DistillationConfig(output_dir=str(tmp_path), teacher_model_init_kwargs='{"dtype": "float32"}',
+                              report_to="none", bf16=False)
+    assert args.teacher_model_init_kwargs == {"dtype": "float32"}
+
+
+def test_accelerator_state_is_kept_around_a_prepare():
+    """`prepare` registers a model and ties an engine; inside `accelerator_state_kept` neither outlives the block."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    models = list(compat.prepared_models(accelerator))
+    accelerator.prepare(torch.nn.Linear(2, 2))
+    assert len(compat.prepared_models(accelerator)) == len(models) + 1
+    compat.prepared_models(accelerator)[:] = models
+    accelerator.deepspeed_engine_wrapped = wrapped = object()  # (a DeepSpeed Accelerator's: the student engine)
+    with compat.accelerator_state_kept(accelerator):
+        accelerator.prepare(torch.nn.Linear(2, 2))
+    assert compat.prepared_models(accelerator) == models and accelerator.deepspeed_engine_wrapped is wrapped
+
+
+def test_partial_state_fields_and_their_reset():
+    import subprocess
+    import sys
+
+    code = ("from accelerate import PartialState\nfrom trl_distill import compat\nPartialState(cpu=True)\n"
+            "assert compat.partial_state_fields()['num_processes'] == 1\ncompat.reset_accelerate_state()\n"
+            "assert compat.partial_state_fields() == {}\nprint('ok')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip().endswith("ok"), result.stderr[-2000:]
 
 
 def test_zero3_privates_on_a_plain_and_a_faked_parameter():
+    """(On real ZeRO-3 parameters: tests/test_zero3_loading.py, where `zero3_partition` and `partitioned_construction`
+    load each rank's partition, and tests/test_trainer_distributed.py.)"""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     plain = torch.nn.Parameter(torch.randn(3))
     assert not compat.is_zero3_partitioned(plain) and compat.zero3_partition(plain) is None
     plain.ds_id, plain.ds_status = 0, ZeroParamStatus.NOT_AVAILABLE
     assert compat.is_zero3_partitioned(plain)
-    assert isinstance(compat.cpu_has_bf16_units(), bool)
+    plain.ds_status = ZeroParamStatus.AVAILABLE
+    assert not compat.is_zero3_partitioned(plain)
+
+
+def test_cpu_bf16_units_as_the_cpu_reports_them():
+    flags = set()
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("flags"):
+                flags |= set(line.split(":", 1)[1].split())
+    assert compat.cpu_has_bf16_units() == bool({"avx512_bf16", "amx_tile"} & flags)
+
+
+def test_every_compat_function_is_exercised_here():
+    import ast
+    from pathlib import Path
+
+    source = Path(compat.__file__).read_text()
+    public = {node.name for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)
+              and not node.name.startswith("_")}
+    mine = Path(__file__).read_text()
+    assert sorted(name for name in public if f"compat.{name}(" not in mine and name != "partitioned_construction") == []

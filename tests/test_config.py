@@ -1,3 +1,6 @@
+import os
+from pathlib import Path
+
 import pytest
 
 from trl_distill import LOSS_TYPES, DistillationConfig
@@ -69,3 +72,38 @@ def test_building_a_config_leaves_the_callers_dicts_alone(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+ENV_PROBE = """
+import json, os, sys
+import trl_distill  # (its import sets DeepSpeed's DS_ACCELERATOR; the probe compares what the configs do after it)
+from trl import SFTConfig
+from trl_distill import DistillationConfig
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=sys.argv[3])
+before = dict(os.environ)
+config = DistillationConfig if sys.argv[1] == "ours" else SFTConfig
+args = config(output_dir=sys.argv[2], deepspeed="configs/deepspeed/zero2_student.json", bf16=False, report_to="none")
+args.device  # where the process is set up (TrainingArguments._setup_devices)
+print(json.dumps(sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))))
+"""
+
+
+def test_the_config_changes_the_environment_no_more_than_sft_config_does(tmp_path):
+    """Building a DeepSpeed config and setting up its devices (the gloo state DeepSpeed needs on CPU) leaves the
+    environment as `trl.SFTConfig` with the same arguments does: `ACCELERATE_USE_DEEPSPEED` is set only while
+    accelerate's state is created, as transformers itself does."""
+    import json
+    import subprocess
+    import sys
+
+    from trl_distill.runtime.distributed import free_port
+
+    changed = {}
+    for kind in ("ours", "sft"):
+        result = subprocess.run([sys.executable, "-c", ENV_PROBE, kind, str(tmp_path / kind), str(free_port())],
+                                capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1],
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert result.returncode == 0, result.stderr[-2000:]
+        changed[kind] = json.loads(result.stdout.strip().splitlines()[-1])
+    assert changed["ours"] == changed["sft"] and "ACCELERATE_USE_DEEPSPEED" not in changed["ours"]

@@ -48,6 +48,21 @@ def _set_single_process_env() -> None:
         )
 
 
+@contextlib.contextmanager
+def _deepspeed_env():
+    """`ACCELERATE_USE_DEEPSPEED=true` while the block runs (what makes accelerate's `PartialState` start DeepSpeed's
+    process group), then as it was: transformers sets it the same way, for that call only."""
+    previous = os.environ.get("ACCELERATE_USE_DEEPSPEED")
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["ACCELERATE_USE_DEEPSPEED"]
+        else:
+            os.environ["ACCELERATE_USE_DEEPSPEED"] = previous
+
+
 def teardown_process_group() -> None:
     """Tear the gloo group down at exit, all ranks together. Without this a CPU run aborts at interpreter exit (-6,
     "terminate called without an active exception"); a rank that gets there first waits (30 s at most) for the others,
@@ -92,10 +107,10 @@ def prepare_cpu_distributed_state(args) -> None:
     if has_accelerator() or not _deepspeed_requested(args):
         return
     _set_single_process_env()
-    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     _forget_single_process_state()
     if not partial_state_fields():
-        PartialState(backend="gloo")
+        with _deepspeed_env():
+            PartialState(backend="gloo")
     _destroy_at_exit()
     accelerator_config = args.accelerator_config
     if accelerator_config is None:
