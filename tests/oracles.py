@@ -47,3 +47,41 @@ def sparse_distillation_loss(
     n = s_flat.shape[0] if rows is None else rows.numel()
     return fused_loss(s_flat, head, SparseSignalChunks(teacher, n, loss.vocab_size), loss, rows, labels,
                       num_items_in_batch)
+
+
+def held_out_loss(student, teacher, tokenizer, rows, *, temperature: float = 2.0, alpha: float = 0.5) -> dict:
+    """The distillation objective on prompt–completion ``rows``, measured outside any trainer from both models' own
+    ``forward(...).logits`` (fp32, no grad), per completion token: ``kd`` = T² · KL_T(teacher ‖ student) over the
+    shared vocabulary, ``ce`` = the student's cross-entropy on the completion, ``loss`` = alpha · kd + (1 − alpha) ·
+    ce. ``teacher`` None (another tokenizer): ``kd`` is 0 and ``loss`` is ``ce``. Rows are tokenized as prompt ids
+    then completion ids, as the tests' prompt–completion data is."""
+    import torch
+    import torch.nn.functional as F
+
+    from trl_distill import divergence
+
+    sums, tokens = {"kd": 0.0, "ce": 0.0}, 0
+    models = [m for m in (student, teacher) if m is not None]
+    modes = [m.training for m in models]
+    for m in models:
+        m.eval()
+    try:
+        with torch.no_grad():
+            for row in rows:
+                prompt, completion = (tokenizer(row[k])["input_ids"] for k in ("prompt", "completion"))
+                ids = torch.tensor([prompt + completion], device=student.device)
+                start, target = len(prompt) - 1, ids[0, len(prompt):]  # position t predicts token t + 1
+                s = student(input_ids=ids).logits[0, start:-1].float()
+                sums["ce"] += F.cross_entropy(s, target, reduction="sum").item()
+                if teacher is not None:
+                    t = teacher(input_ids=ids.to(teacher.device)).logits[0, start:-1].float().to(s.device)
+                    vocab = min(s.shape[-1], t.shape[-1], len(tokenizer))
+                    kd = divergence(s[:, :vocab], t[:, :vocab], "forward_kl", temperature=temperature)
+                    sums["kd"] += kd.item() * temperature**2 * target.numel()
+                tokens += target.numel()
+    finally:
+        for m, mode in zip(models, modes, strict=True):
+            m.train(mode)
+    out = {key: value / tokens for key, value in sums.items()}
+    out["loss"] = alpha * out["kd"] + (1 - alpha) * out["ce"] if teacher is not None else out["ce"]
+    return out

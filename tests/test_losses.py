@@ -233,12 +233,14 @@ def test_bf16_close_to_fp32():
         out16 = _chunked(d16, loss_type, chunk_size=3, temperature=TEMP)
         out32 = _chunked(d32, loss_type, chunk_size=3, temperature=TEMP)
         assert out16.kd.dtype == torch.float32 and torch.isfinite(out16.kd) and torch.isfinite(out16.ce)
-        torch.testing.assert_close(out16.kd, out32.kd, rtol=5e-2, atol=2e-2)
-        torch.testing.assert_close(out16.ce, out32.ce, rtol=5e-2, atol=2e-2)
+        # Measured (seed 6, all six divergences): |kd16 - kd32| <= 4.8e-4 (kd 0.18..0.88), |ce16 - ce32| = 1.2e-3
+        # (ce 4.23), max |grad16 - grad32| = 2.5e-3 (skew_forward_kl's ws; gradients up to 0.41). Tolerances ~2.5x.
+        torch.testing.assert_close(out16.kd, out32.kd, rtol=0, atol=1.2e-3)
+        torch.testing.assert_close(out16.ce, out32.ce, rtol=0, atol=3e-3)
         g16, g32 = _grads(out16.kd + out16.ce, d16), _grads(out32.kd + out32.ce, d32)
         for x, y in zip(g16, g32, strict=True):
             assert x.dtype == torch.bfloat16 and torch.isfinite(x).all()
-            torch.testing.assert_close(x.float(), y, rtol=1e-1, atol=5e-2)
+            torch.testing.assert_close(x.float(), y, rtol=0, atol=6e-3)
     # plain divergence on bf16 logits computes in fp32
     s, t = _logits(4, 9, dtype=torch.bfloat16)
     assert divergence(s, t, "jsd").dtype == torch.float32

@@ -89,12 +89,14 @@ def test_exact_teacher_path_under_zero3_equals_the_models_own_logits(bf16_and_fp
 @pytest.mark.skipif(not cpu_supports_bf16(), reason="this CPU has no native bf16")
 @pytest.mark.distributed
 def test_bf16_trains_with_deepspeed_on_cpu_and_matches_fp32(bf16_and_fp32_runs):
-    """Both engines run in bf16; the divergence is accumulated in fp32. Stated tolerance: the first step's logged
-    losses within 1% of the fp32 run's (measured here: 2e-4 for kd_loss, 3e-6 for ce_loss)."""
+    """Both engines run in bf16; the divergence is accumulated in fp32. The first step's logged losses match the fp32
+    run's to about 2.5x the relative deviations measured here (2.3e-4 for kd_loss, 3e-6 for ce_loss)."""
     bf16, fp32 = bf16_and_fp32_runs["bf16"][0], bf16_and_fp32_runs["fp32"][0]
     assert (bf16["student_dtype"], bf16["teacher_dtype"]) == ("torch.bfloat16", "torch.bfloat16")
     assert (fp32["student_dtype"], fp32["teacher_dtype"]) == ("torch.float32", "torch.float32")
-    for key in ("loss", "kd_loss", "ce_loss"):
-        assert bf16["log_history"][0][key] == pytest.approx(fp32["log_history"][0][key], rel=1e-2)
+    # measured relative deviations: loss 1.2e-5 (2.88947 vs 2.88951), kd_loss 2.3e-4 (0.223314 vs 0.223366),
+    # ce_loss 2.9e-6 (5.555628 vs 5.555645); tolerances ~2.5x those
+    for key, rel in (("loss", 3e-5), ("kd_loss", 6e-4), ("ce_loss", 8e-6)):
+        assert bf16["log_history"][0][key] == pytest.approx(fp32["log_history"][0][key], rel=rel), key
     losses = [h["loss"] for h in bf16["log_history"] if "loss" in h]
     assert len(losses) == 3 and losses[-1] < losses[0]  # it trains
