@@ -116,8 +116,8 @@ def test_partial_state_fields_and_their_reset():
 
 
 def test_zero3_privates_on_a_plain_and_a_faked_parameter():
-    """(On real ZeRO-3 parameters: tests/test_zero3_loading.py, where `zero3_partition` and `partitioned_construction`
-    load each rank's partition, and tests/test_trainer_distributed.py.)"""
+    """(On real ZeRO-3 parameters: tests/teacher/test_zero3_loading.py, where `zero3_partition` and
+    `partitioned_construction` load each rank's partition, and tests/test_trainer_distributed.py.)"""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     plain = torch.nn.Parameter(torch.randn(3))

@@ -1,5 +1,5 @@
 """One training step of a 2-process DeepSpeed run (ZeRO-2 student, ZeRO-3 teacher, fp32) that records what each
-rank really holds, for the memory planner's check (tests/test_plan.py). Writes ``<out>/rank<k>.json``.
+rank really holds, for the memory planner's check (tests/runtime/test_plan.py). Writes ``<out>/rank<k>.json``.
 
 Usage: ``plan_worker.py MODELS_DIR OUT_DIR`` where MODELS_DIR holds ``tokenizer/``, ``teacher/``, ``student/``.
 """

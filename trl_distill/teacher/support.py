@@ -1,7 +1,7 @@
 """The modes of a run that a kind of teacher may refuse, and which of them a run uses.
 
 Each kind declares what it refuses in `TeacherSource.refused` (mode -> the one-line message); `matrix` lays every
-kind against every mode for the README's support matrix, which `tests/test_support.py` checks cell by cell.
+kind against every mode for the README's support matrix, which `tests/teacher/test_support.py` checks cell by cell.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def bf16_and_fp32_runs(tiny_pair, tmp_path_factory) -> dict:
     teacher = str(out / "teacher")
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(teacher)
     tokenizer.save_pretrained(teacher)
-    worker = Path(__file__).parent / "scripts" / "precision_worker.py"
+    worker = Path(__file__).parents[1] / "scripts" / "precision_worker.py"
     runs = {}
     for mode in ("fp32", "bf16"):
         launch(worker, tiny_pair["student"], teacher, str(out), mode, timeout=300)

@@ -14,8 +14,8 @@ from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.runtime.checkpoints import MARKER, is_complete, mark_complete, resolve_resume
 from trl_distill.testing import launch, logged, synthetic_prompt_completion
 
-WORKER = Path(__file__).parent / "scripts" / "reliability_worker.py"
-ROOT = Path(__file__).parent.parent
+WORKER = Path(__file__).parents[1] / "scripts" / "reliability_worker.py"
+ROOT = Path(__file__).parents[2]
 
 
 def _read(directory: Path) -> list[dict]:

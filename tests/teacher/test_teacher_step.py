@@ -22,7 +22,7 @@ from trl_distill.testing import (
     tokenized_with_unlabelled_batches,
 )
 
-WORKER = Path(__file__).parent / "scripts" / "teacher_step_worker.py"
+WORKER = Path(__file__).parents[1] / "scripts" / "teacher_step_worker.py"
 MODES = ("step", "micro_batch", "step_rows3")
 KEYS = ("loss", "kd_loss", "ce_loss")
 

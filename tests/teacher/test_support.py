@@ -15,36 +15,36 @@ from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.teacher import support_matrix
 from trl_distill.testing import logged, synthetic_prompt_completion, tiny_run_settings
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]
 LORA = dict(r=4, target_modules=["q_proj", "v_proj"])
 
 # The test that runs each "yes" cell (file::function).
 YES = {
     ("live (ZeRO-3)", "off-policy"): "test_trainer_distributed.py::test_training_loss_falls_and_ranks_see_disjoint_samples",
-    ("live (ZeRO-3)", "on-policy"): "test_on_policy.py::test_loss_on_a_generated_batch_equals_gkd_generalized_jsd",
-    ("live (ZeRO-3)", "packing"): "test_teacher_step.py::test_the_warning_names_why",
+    ("live (ZeRO-3)", "on-policy"): "rollout/test_on_policy.py::test_loss_on_a_generated_batch_equals_gkd_generalized_jsd",
+    ("live (ZeRO-3)", "packing"): "teacher/test_teacher_step.py::test_the_warning_names_why",
     ("live (ZeRO-3)", "eval"): "test_trainer_distributed.py::test_evaluate_before_and_after_train",
-    ("live (ZeRO-3)", "gradient accumulation"): "test_teacher_step.py::test_same_losses_as_once_per_micro_batch_on_two_processes",
+    ("live (ZeRO-3)", "gradient accumulation"): "teacher/test_teacher_step.py::test_same_losses_as_once_per_micro_batch_on_two_processes",
     ("live (ZeRO-3)", "LoRA"): "test_lora.py::test_cli_trains_a_lora_student_beside_a_zero3_teacher_on_two_processes",
-    ("live (ZeRO-3)", "cross-tokenizer"): "test_cross_tokenizer_training.py::test_another_tokenizer_switches_on_by_itself_and_the_fused_kd_is_the_models_own",
+    ("live (ZeRO-3)", "cross-tokenizer"): "cross_tokenizer/test_cross_tokenizer_training.py::test_another_tokenizer_switches_on_by_itself_and_the_fused_kd_is_the_models_own",
     ("self", "off-policy"): "test_lora.py::test_self_distillation_shares_the_base_and_matches_a_separate_copy",
-    ("self", "on-policy"): "test_support.py::test_self_on_policy_packing_eval_and_accumulation",
-    ("self", "packing"): "test_support.py::test_self_on_policy_packing_eval_and_accumulation",
-    ("self", "eval"): "test_support.py::test_self_on_policy_packing_eval_and_accumulation",
-    ("self", "gradient accumulation"): "test_support.py::test_self_on_policy_packing_eval_and_accumulation",
+    ("self", "on-policy"): "teacher/test_support.py::test_self_on_policy_packing_eval_and_accumulation",
+    ("self", "packing"): "teacher/test_support.py::test_self_on_policy_packing_eval_and_accumulation",
+    ("self", "eval"): "teacher/test_support.py::test_self_on_policy_packing_eval_and_accumulation",
+    ("self", "gradient accumulation"): "teacher/test_support.py::test_self_on_policy_packing_eval_and_accumulation",
     ("self", "LoRA"): "test_lora.py::test_self_distillation_shares_the_base_and_matches_a_separate_copy",
-    ("cache", "off-policy"): "test_teacher_cache.py::test_training_from_the_cache_follows_the_online_curve",
-    ("cache", "gradient accumulation"): "test_served_training.py::test_accumulation_dataloader_workers_and_evaluation_against_the_live_server",
-    ("cache", "LoRA"): "test_teacher_cache.py::test_a_lora_student_from_the_cache_starts_where_the_full_student_does",
-    ("served (vLLM)", "off-policy"): "test_served_training.py::test_students_from_either_cache_and_from_the_live_server_get_the_same_losses",
-    ("served (vLLM)", "eval"): "test_served_training.py::test_accumulation_dataloader_workers_and_evaluation_against_the_live_server",
-    ("served (vLLM)", "gradient accumulation"): "test_served_training.py::test_accumulation_dataloader_workers_and_evaluation_against_the_live_server",
-    ("served (vLLM)", "LoRA"): "test_served_training.py::test_a_lora_student_against_the_server_starts_where_the_full_student_does",
-    ("cross-tokenizer", "off-policy"): "test_cross_tokenizer_training.py::test_another_tokenizer_switches_on_by_itself_and_the_fused_kd_is_the_models_own",
-    ("cross-tokenizer", "eval"): "test_support.py::test_cross_tokenizer_evaluation_scores_the_first_training_step",
-    ("cross-tokenizer", "gradient accumulation"): "test_cross_tokenizer_training.py::test_two_processes_with_a_zero3_teacher_of_another_tokenizer",
-    ("cross-tokenizer", "LoRA"): "test_cross_tokenizer_training.py::test_a_lora_student_and_a_resumed_run_across_tokenizers",
-    ("cross-tokenizer", "cross-tokenizer"): "test_cross_tokenizer_training.py::test_another_tokenizer_switches_on_by_itself_and_the_fused_kd_is_the_models_own",
+    ("cache", "off-policy"): "cache/test_teacher_cache.py::test_training_from_the_cache_follows_the_online_curve",
+    ("cache", "gradient accumulation"): "teacher/test_served_training.py::test_accumulation_dataloader_workers_and_evaluation_against_the_live_server",
+    ("cache", "LoRA"): "cache/test_teacher_cache.py::test_a_lora_student_from_the_cache_starts_where_the_full_student_does",
+    ("served (vLLM)", "off-policy"): "teacher/test_served_training.py::test_students_from_either_cache_and_from_the_live_server_get_the_same_losses",
+    ("served (vLLM)", "eval"): "teacher/test_served_training.py::test_accumulation_dataloader_workers_and_evaluation_against_the_live_server",
+    ("served (vLLM)", "gradient accumulation"): "teacher/test_served_training.py::test_accumulation_dataloader_workers_and_evaluation_against_the_live_server",
+    ("served (vLLM)", "LoRA"): "teacher/test_served_training.py::test_a_lora_student_against_the_server_starts_where_the_full_student_does",
+    ("cross-tokenizer", "off-policy"): "cross_tokenizer/test_cross_tokenizer_training.py::test_another_tokenizer_switches_on_by_itself_and_the_fused_kd_is_the_models_own",
+    ("cross-tokenizer", "eval"): "teacher/test_support.py::test_cross_tokenizer_evaluation_scores_the_first_training_step",
+    ("cross-tokenizer", "gradient accumulation"): "cross_tokenizer/test_cross_tokenizer_training.py::test_two_processes_with_a_zero3_teacher_of_another_tokenizer",
+    ("cross-tokenizer", "LoRA"): "cross_tokenizer/test_cross_tokenizer_training.py::test_a_lora_student_and_a_resumed_run_across_tokenizers",
+    ("cross-tokenizer", "cross-tokenizer"): "cross_tokenizer/test_cross_tokenizer_training.py::test_another_tokenizer_switches_on_by_itself_and_the_fused_kd_is_the_models_own",
 }
 
 # How to ask for each refused mode: the run's settings, and whether the trainer (not the config) refuses it.

@@ -11,7 +11,7 @@ from trl_distill.teacher import zero3_loading as loading
 from trl_distill.teacher.zero3_loading import _read_flat, _read_into, loadable, safetensors_index
 from trl_distill.testing import build_tiny_model, build_tokenizer, launch, read_rank_records
 
-WORKER = Path(__file__).parent / "scripts" / "load_memory_worker.py"
+WORKER = Path(__file__).parents[1] / "scripts" / "load_memory_worker.py"
 
 
 def test_index_covers_a_sharded_checkpoint_and_reads_any_flat_range(tmp_path):

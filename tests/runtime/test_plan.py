@@ -10,8 +10,8 @@ from trl_distill.cli.plan import main as plan_main
 from trl_distill.runtime import plan
 from trl_distill.testing import build_tiny_model, build_tokenizer, launch
 
-SCRIPTS = Path(__file__).parent / "scripts"
-DOC_CONFIGS = Path(__file__).resolve().parents[1] / "docs" / "planner_configs"
+SCRIPTS = Path(__file__).parents[1] / "scripts"
+DOC_CONFIGS = Path(__file__).resolve().parents[2] / "docs" / "planner_configs"
 # A few M parameters each, so per-rank byte counts are not dominated by padding
 DIMS = {
     "teacher": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4),

@@ -15,7 +15,7 @@ from trl_distill.cache.shards import flat, read_shard
 from trl_distill.teacher import ServedTeacher
 from trl_distill.testing import launch, logged, synthetic_prompt_completion
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 K = 8
 ROWS = 24
 

@@ -11,7 +11,7 @@ from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.rollout.on_policy import DATASET, STUDENT, TEACHER, completion_batch, completion_source, split_prompts
 from trl_distill.testing import launch, logged, synthetic_prompt_completion, tiny_run_settings
 
-WORKER = Path(__file__).parent / "scripts" / "on_policy_worker.py"
+WORKER = Path(__file__).parents[1] / "scripts" / "on_policy_worker.py"
 
 
 def make_trainer(tiny_pair, tmp_path, **overrides):

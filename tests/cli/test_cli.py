@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl_distill.cli import main
 from trl_distill.testing import launch, synthetic_prompt_completion
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 FAST = ["--max_steps", "2", "--bf16", "false", "--gradient_checkpointing", "false", "--report_to", "none",
         "--logging_steps", "1", "--disable_tqdm", "true", "--save_strategy", "no"]
 

@@ -17,8 +17,8 @@ from trl_distill.loss.sparse import top_k_teacher_signal
 from trl_distill.teacher import CachedTeacher
 from trl_distill.testing import launch, logged, synthetic_prompt_completion, tiny_run_settings
 
-ROOT = Path(__file__).parent.parent
-SCRIPTS = Path(__file__).parent / "scripts"
+ROOT = Path(__file__).parents[2]
+SCRIPTS = Path(__file__).parents[1] / "scripts"
 
 
 # ---- The sparse losses ----

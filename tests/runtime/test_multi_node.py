@@ -20,7 +20,7 @@ import pytest
 from trl_distill.runtime.distributed import free_port
 from trl_distill.testing import kill_tree, logged, synthetic_prompt_completion
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 MAX_STEPS = 4
 # The first DeepSpeed launch on a machine may JIT-build its CPU comm op (minutes); later ones take ~15 s.
 FIRST_TIMEOUT, TIMEOUT = 600, 240

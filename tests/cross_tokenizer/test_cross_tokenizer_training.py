@@ -19,7 +19,7 @@ from trl_distill.testing import (
     tiny_run_settings,
 )
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 
 
 def held_out(train: Dataset, num_rows: int = 16) -> Dataset:

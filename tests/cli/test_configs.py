@@ -8,7 +8,7 @@ import yaml
 from trl_distill.cli import make_parser
 from trl_distill.runtime.deepspeed_config import load_deepspeed_config
 
-CONFIGS = Path(__file__).parent.parent / "configs"
+CONFIGS = Path(__file__).parents[2] / "configs"
 
 
 @pytest.mark.parametrize(
