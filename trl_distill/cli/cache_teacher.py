@@ -42,7 +42,7 @@ def main(argv: list[str]) -> None:
     from ..cache.writer import fill_teacher_cache, open_teacher_cache
     from ..config import DistillationConfig
     from ..teacher.resolve import check_cacheable_teacher
-    from .errors import errors_as_messages
+    from .errors import errors_as_messages, faults_as_messages
     from .train import build_trainer
 
     parser = TrlParser((ScriptArguments, DistillationConfig, ModelConfig, CacheArguments),
@@ -62,7 +62,8 @@ def main(argv: list[str]) -> None:
         manifest = open_teacher_cache(trainer, directory, top_k=cache_args.cache_top_k,
                                       shard_rows=cache_args.cache_shard_rows,
                                       log_prob_dtype=cache_args.cache_log_prob_dtype)
-    manifest = fill_teacher_cache(trainer, directory, manifest, batch_size=cache_args.cache_batch_size)
+    with faults_as_messages("trl-distill cache-teacher"):
+        manifest = fill_teacher_cache(trainer, directory, manifest, batch_size=cache_args.cache_batch_size)
     if trainer.accelerator.is_main_process:
         tokens = sum(s["tokens"] for s in manifest.shards)
         size = sum(s["bytes"] for s in manifest.shards)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .errors import errors_as_messages
+from .errors import errors_as_messages, faults_as_messages
 
 
 def make_parser():
@@ -70,12 +70,14 @@ def build_trainer(script_args, training_args, model_args):
 
 
 def main(argv: list[str]) -> None:
-    """`trl-distill [flags]`: parse, set up (bad input: one line), then train and save (errors keep their traceback)."""
+    """`trl-distill [flags]`: parse, set up (bad input: one line), then train and save (an expected fault: one line;
+    our own bugs keep their traceback)."""
     with errors_as_messages():
         script_args, training_args, model_args = make_parser().parse_args_and_config(args=argv)
         trainer = build_trainer(script_args, training_args, model_args)
         resume = trainer.resume_point(training_args.resume_from_checkpoint)
-    trainer.train(resume_from_checkpoint=resume)
-    trainer.save_model(training_args.output_dir)
+    with faults_as_messages():  # an expected fault from here on is one line too (a full disk, a dead server)
+        trainer.train(resume_from_checkpoint=resume)
+        trainer.save_model(training_args.output_dir)
     if trainer.accelerator.is_main_process:  # global rank 0, the one that wrote it
         print(f"Distilled student saved to {training_args.output_dir}")

@@ -10,6 +10,8 @@ import struct
 
 import torch
 
+from ..errors import ExternalError
+
 logger = logging.getLogger(__name__)
 
 
@@ -104,6 +106,10 @@ def check_dataset_not_empty(dataset, split: str, when: str, max_length: int | No
     )
 
 
+class TeacherNotFiniteError(ExternalError, FloatingPointError):
+    """The teacher's outputs hold NaN or inf (its weights or its dtype), raised on every rank together."""
+
+
 def check_teacher_finite(teacher_hidden: torch.Tensor, accelerator, where: str) -> None:
     """Stop every rank together, with one message, when the teacher's hidden states hold NaN or inf on any rank
     (one scalar all-reduce per call; a lone failing rank would leave the others waiting in a collective). `where`
@@ -112,7 +118,7 @@ def check_teacher_finite(teacher_hidden: torch.Tensor, accelerator, where: str) 
     if accelerator.num_processes > 1:
         bad = accelerator.reduce(bad, reduction="sum")
     if bad.item() > 0:
-        raise FloatingPointError(
+        raise TeacherNotFiniteError(
             f"The teacher produced NaN or inf at {where} (on {int(bad.item())} rank(s)). Check its dtype (fp16 "
             "overflows: use bf16 or fp32 via `teacher_model_init_kwargs={'dtype': ...}`) and its weights."
         )

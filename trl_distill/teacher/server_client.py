@@ -22,11 +22,12 @@ import urllib.request
 import numpy as np
 import torch
 
+from ..errors import ExternalError
 from ..loss.sparse import SparseTeacherSignal
 
 
-class TeacherServerError(ConnectionError):
-    """The teacher server did not answer (down, unreachable or too slow), after every retry."""
+class TeacherServerError(ExternalError, ConnectionError):
+    """The teacher server did not answer (down, unreachable or too slow) after every retry, or answered nonsense."""
 
 
 class TeacherServerClient:

@@ -1,0 +1,12 @@
+"""The project's error type for "the world is wrong": a file, a server, a disk, the data or a peer, never our code.
+
+`trl-distill` turns an `ExternalError` raised at any time, set-up or training, into one line on stderr on every rank
+(`cli.errors`), with the last complete checkpoint kept; any other exception is our bug and keeps its traceback.
+Library users catch it the same way: ``except trl_distill.errors.ExternalError``.
+"""
+
+from __future__ import annotations
+
+
+class ExternalError(Exception):
+    """Something outside trl_distill is wrong; the message is one line that names it and the fix."""
