@@ -9,7 +9,7 @@ formulas are in `trl_distill.loss.divergences`; everything about the loss that i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,9 @@ from torch.autograd.function import once_differentiable
 
 from ..model.fused_forward import LMHead, finalise_logits
 from .divergences import DIVERGENCES, at_temperature, check_divergence, normalise_sum
+
+if TYPE_CHECKING:
+    from .signal import TeacherSignal
 
 __all__ = ["DenseTeacherSignal", "DistillationLossOutput", "LossSettings", "chunked_distillation_loss",
            "chunked_divergence", "default_chunk_size", "fused_loss", "select_loss_rows"]
@@ -150,7 +153,7 @@ class _ChunkedDistillation(torch.autograd.Function):
         s_bias: Tensor | None,  # [V_s]
         rows: Tensor | None,  # [n] int64 indices of the rows carrying loss (None = all)
         labels: Tensor | None,  # [n] int64 targets for CE
-        teacher,  # a teacher signal over the n selected rows, never differentiated
+        teacher: TeacherSignal,  # over the n selected rows (`loss.signal`), never differentiated
         settings: LossSettings,
         head: LMHead | None,  # the student's transform (scale, softcap); None: s_hidden are logits
         vocab: int,  # the first `vocab` logits are compared
@@ -279,7 +282,7 @@ def head_shape(states: Tensor, head: LMHead | None) -> tuple[int, int]:
 def fused_loss(
     student_states: Tensor,
     student_head: LMHead | None,
-    teacher,
+    teacher: TeacherSignal,
     settings: LossSettings,
     rows: Tensor | None,
     labels: Tensor | None = None,
