@@ -17,6 +17,8 @@ from trl_distill.testing import (
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# No test reaches a hub: a name that is not a local path asks a closed port on this machine, never an outside address
+os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")
 SCRIPTS = Path(__file__).parent / "scripts"
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -227,6 +227,7 @@ class DistillationConfig(SFTConfig):
                 raise ValueError(f"{name} must be in [0, 1], got {value}.")
         if self.gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be >= 1, got {self.gradient_accumulation_steps}.")
+        _check_counts(self)
         if self.max_steps == 0:
             raise ValueError("max_steps=0 trains nothing (and would still save over output_dir): pass max_steps > 0, "
                              "or -1 to train for num_train_epochs.")
@@ -257,6 +258,30 @@ class DistillationConfig(SFTConfig):
         (`distributed.prepare_cpu_distributed_state`). Building the config does nothing else to the process."""
         prepare_cpu_distributed_state(self)
         return super()._setup_devices
+
+
+def _check_counts(args) -> None:
+    """The integer knobs a 0 or a negative value breaks only later (a DataLoader, the save callback, generation, a
+    run that trains nothing and saves over output_dir), refused as the config is built. Those transformers already
+    refuses clearly (``logging_steps 0``, ``warmup_steps < 0``) are left to it."""
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(args, name)}.")
+    if args.max_length is not None and args.max_length < 1:
+        raise ValueError(f"max_length must be a positive integer or None (no truncation), got {args.max_length}.")
+    if str(getattr(args.save_strategy, "value", args.save_strategy)) == "steps" and not args.save_steps > 0:
+        raise ValueError(f"save_steps must be > 0 with save_strategy 'steps', got {args.save_steps} (or pass "
+                         "--save_strategy no).")
+    for name in ("logging_steps", "eval_steps"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(args, name)}.")
+    if args.max_steps < 0 and not args.num_train_epochs > 0:
+        raise ValueError(f"num_train_epochs={args.num_train_epochs} trains nothing (and would still save over "
+                         "output_dir): pass num_train_epochs > 0, or max_steps > 0.")
+    if args.dataloader_num_workers < 0:
+        raise ValueError(f"dataloader_num_workers must be >= 0, got {args.dataloader_num_workers}.")
+    if args.generation_top_k < 0:
+        raise ValueError(f"generation_top_k must be >= 0 (0: off), got {args.generation_top_k}.")
 
 
 def _use_activation_checkpointing_names(args) -> None:

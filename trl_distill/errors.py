@@ -10,3 +10,8 @@ from __future__ import annotations
 
 class ExternalError(Exception):
     """Something outside trl_distill is wrong; the message is one line that names it and the fix."""
+
+
+class PeerLostError(ExternalError):
+    """Another process of the run stopped answering (a collective timed out: frozen, killed, far slower) or went
+    away (its connection closed): this rank cannot go on without it. Its own message says why it stopped."""

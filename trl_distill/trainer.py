@@ -8,7 +8,6 @@ from functools import partial
 
 import torch
 from transformers import PreTrainedModel
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import SFTTrainer
 
 from . import compat  # the private library APIs we use, each in one named function
@@ -24,9 +23,10 @@ from .loss.fused import LossSettings, fused_loss, select_loss_rows
 from .model.fused_forward import LossFeatures, add_fused_distillation_forward, gathered
 from .model.logit_check import settle_logit_paths_by_inputs
 from .rollout.on_policy import CompletionSampler, refuse_zero3_student_sampling
-from .runtime.checkpoints import mark_complete, resume_point, run_record
+from .runtime.checkpoints import resume_point, run_record, save_complete_checkpoint, student_identity
 from .runtime.metrics import DistillMetrics, TrainingBounds
-from .runtime.validation import check_dataset_not_empty, check_output_dir, shared_vocab_size
+from .runtime.run_lock import refuse_if_locked, take_run_lock
+from .runtime.validation import check_dataset_not_empty, check_output_dir, run_inputs, shared_vocab_size
 from .teacher import TeacherBatch, resolve_teacher
 from .teacher.live import STUDENT, TEACHER
 
@@ -74,7 +74,8 @@ class DistillationTrainer(SFTTrainer):
         formatting_func=None,
     ):
         args = DistillationConfig(output_dir="distilled-model") if args is None else as_distillation_config(args)
-        check_output_dir(args.output_dir)
+        check_output_dir(args.output_dir, run_inputs(args, model, teacher_model, (train_dataset, eval_dataset)))
+        refuse_if_locked(args)  # another live run holds output_dir: one line on every rank before anything loads
         check_dataset_not_empty(train_dataset, "train", "given")
         self.teacher = resolve_teacher(teacher_model, args, student=model, processing_class=processing_class,
                                        eval_dataset=eval_dataset, peft_config=peft_config)  # the one teacher source
@@ -98,6 +99,8 @@ class DistillationTrainer(SFTTrainer):
                 "A Mixture-of-Experts student with a router load-balancing loss is not supported yet: the "
                 "distillation loss would silently drop it. Set `router_aux_loss_coef=0.0` to train without it."
             )
+        self.run_lock = take_run_lock(args)  # one run per output_dir (released at train end or exit)
+        self.student_identity = student_identity(self.model)  # what a checkpoint records of the student
         add_fused_distillation_forward(self.student)
         try:
             self.vocab_size = shared_vocab_size(self.student.config, self.teacher.vocab_config(self.student.config),
@@ -108,6 +111,7 @@ class DistillationTrainer(SFTTrainer):
             for name, dataset in evaluation.items():
                 check_dataset_not_empty(dataset, name, "prepared", args.max_length)
         except ValueError:
+            self.run_lock.release()
             if not output_dir_existed and os.path.isdir(args.output_dir) and not os.listdir(args.output_dir):
                 os.rmdir(args.output_dir)  # the Trainer created it empty; leave nothing behind
             raise
@@ -143,7 +147,10 @@ class DistillationTrainer(SFTTrainer):
             # An engine from evaluate() or an earlier train(): the Trainer's free_memory() is about to destroy it,
             # and the stock Trainer would then skip preparing the student (no engine for `backward`).
             self.model_wrapped, self.deepspeed = self.model, None
-        return super().train(self.resume_point(resume_from_checkpoint), *args, **kwargs)
+        try:
+            return super().train(self.resume_point(resume_from_checkpoint), *args, **kwargs)
+        finally:
+            self.run_lock.release()  # the run is over (at exit otherwise)
 
     def resume_point(self, resume_from_checkpoint: str | bool | None) -> str | bool | None:
         """The checkpoint to resume (the newest complete one for True), refused when another distillation set-up
@@ -152,14 +159,11 @@ class DistillationTrainer(SFTTrainer):
                             self.args.resume_allow_changes)
 
     def _run_record(self) -> dict:
-        return run_record(self.args, self.teacher.name, self.accelerator.num_processes, self.is_deepspeed_enabled)
+        return run_record(self.args, self.teacher.name, self.accelerator.num_processes, self.is_deepspeed_enabled,
+                          self.student_identity)
 
     def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        self.accelerator.wait_for_everyone()  # every rank's optimizer shard and RNG state is on disk
-        if self.args.should_save:
-            name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            mark_complete(os.path.join(compat.output_dir_of(self, trial), name), self._run_record())
+        save_complete_checkpoint(self, super()._save_checkpoint, model, trial, self._run_record())
 
     @property
     def loss_settings(self) -> LossSettings:

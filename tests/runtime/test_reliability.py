@@ -68,7 +68,10 @@ def test_resume_skips_incomplete_checkpoints(tmp_path, caplog):
 
 def test_checkpoints_without_markers_are_left_to_the_trainer(tmp_path):
     (tmp_path / "checkpoint-3").mkdir()
-    assert resolve_resume(True, str(tmp_path)) is True  # written without trl_distill: the Trainer's own choice
+    assert resolve_resume(True, str(tmp_path)) is None  # an empty one (no trainer_state.json) cannot resume: fresh
+    (tmp_path / "checkpoint-3" / "trainer_state.json").write_text("{}")
+    # written without trl_distill (no training_args.bin naming it): the Trainer's own choice, resumable
+    assert resolve_resume(True, str(tmp_path)) == str(tmp_path / "checkpoint-3")
     assert resolve_resume(str(tmp_path / "checkpoint-3"), str(tmp_path)) == str(tmp_path / "checkpoint-3")
     assert resolve_resume(None, str(tmp_path)) is None
 
@@ -93,8 +96,8 @@ def test_nan_in_the_teacher_stops_every_rank_with_one_message(runs):
     failed = runs["nan_teacher"]
     assert "failed" in failed and failed["seconds"] < 120
     for rank in (0, 1):  # rank 0's teacher is fine; it stops too, with the same message
-        assert f"[rank{rank}]: FloatingPointError: The teacher produced NaN or inf at step 3 (on 1 rank(s))" in (
-            failed["failed"])
+        assert (f"[rank{rank}]: trl_distill.runtime.validation.TeacherNotFiniteError: The teacher produced NaN or inf "
+                "at step 3 (on 1 rank(s))") in failed["failed"]
 
 
 @pytest.mark.distributed

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 import numpy as np
 
@@ -19,6 +19,7 @@ MANIFEST = "manifest.json"
 # Settings that must equal between a cache and a run that resumes writing it
 SETTINGS = ("format", "teacher", "teacher_revision", "tokenizer_hash", "vocab_size", "top_k", "temperature",
             "max_length", "log_prob_dtype", "dataset_fingerprint", "num_rows", "shard_rows")
+SHARD_KEYS = {"index", "file", "rows", "tokens", "bytes"}  # what each entry of `shards` holds (and "sha256")
 
 
 @dataclass
@@ -60,14 +61,32 @@ class Manifest:
 
     @classmethod
     def load(cls, directory: str) -> Manifest | None:
+        """The manifest in `directory`, None when there is none; one `ValueError` naming the file and the fix when it
+        is not one this code wrote (cut short, edited, another format)."""
         path = os.path.join(directory, MANIFEST)
         if not os.path.exists(path):
             return None
-        with open(path) as f:
-            values = json.load(f)
+        damaged = (f"Delete {directory} (or pass another --teacher_cache directory) and run `trl-distill "
+                   "cache-teacher` again to rewrite the cache.")
+        try:
+            with open(path, encoding="utf-8") as f:
+                values = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            where = f"{error.msg}, line {error.lineno}" if isinstance(error, json.JSONDecodeError) else "not UTF-8"
+            raise ValueError(f"{path} is damaged: not valid JSON ({where}; cut short?). {damaged}") from error
+        if not isinstance(values, dict):
+            raise ValueError(f"{path} is damaged: it holds {type(values).__name__}, not a manifest. {damaged}")
         if values.get("format") != FORMAT:
             raise ValueError(f"{path} is not a trl_distill teacher cache of format {FORMAT!r}.")
-        return cls(**values)
+        names = {f.name for f in fields(cls)}
+        missing = sorted(f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
+                         and f.name not in values)
+        shards = values.get("shards", [])
+        if missing or not isinstance(shards, list) or not all(
+                isinstance(s, dict) and SHARD_KEYS <= set(s) for s in shards):
+            what = f"no {', '.join(missing)}" if missing else f"shard entries without {', '.join(sorted(SHARD_KEYS))}"
+            raise ValueError(f"{path} is damaged: {what}. {damaged}")
+        return cls(**{key: value for key, value in values.items() if key in names})
 
 
 def tokenizer_hash(tokenizer) -> str:

@@ -9,13 +9,15 @@ positions with ``labels[t + 1] != -100``, in order), then by encoding (`Manifest
 - ``"float32"`` / ``"float16"`` (the first format, still read): ``input_ids`` (the token ids the teacher saw),
   ``positions``, and per loss token, flattened in order, ``top_k_ids`` (int32, k each) and ``top_k_log_probs`` (k each).
 
-Shards are written to ``NAME.tmp`` and renamed when whole, so a killed writer never leaves a readable partial one.
+Shards are written to ``NAME.trl_distill.tmp`` and renamed when whole, so a killed writer never leaves a readable
+partial one; a re-run deletes those (`is_partial_shard`: only names this writer makes, never another ``*.tmp``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -27,8 +29,23 @@ ARROW_TYPES = {"float32": pa.float32(), "float16": pa.float16()}
 LOG_PROB_DTYPES = (PACKED, *ARROW_TYPES)
 
 
+_SHARD = re.compile(r"^shard-\d{5,}\.arrow$")
+PARTIAL_SUFFIX = ".trl_distill.tmp"
+_PARTIAL = re.compile(r"^shard-\d{5,}\.arrow(\.trl_distill)?\.tmp$")  # ``.tmp`` alone: earlier versions
+
+
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.arrow"
+
+
+def is_shard(name: str) -> bool:
+    """Whether a file named `name` is a shard `write_shard` wrote."""
+    return bool(_SHARD.match(name))
+
+
+def is_partial_shard(name: str) -> bool:
+    """Whether a file named `name` is a shard `write_shard` was writing when its run was killed."""
+    return bool(_PARTIAL.match(name))
 
 
 def schema(log_prob_dtype: str) -> pa.Schema:
@@ -64,12 +81,13 @@ def _columns(records: list[dict], log_prob_dtype: str, vocab_size: int) -> dict:
 def write_shard(path: str, records: list[dict], log_prob_dtype: str, vocab_size: int) -> int:
     """Write `records` (dicts of numpy arrays, sorted by row) to `path` atomically; returns the file's size."""
     table = pa.Table.from_pydict(_columns(records, log_prob_dtype, vocab_size), schema=schema(log_prob_dtype))
-    with pa.OSFile(path + ".tmp", "wb") as sink:
+    partial = path + PARTIAL_SUFFIX
+    with pa.OSFile(partial, "wb") as sink:
         with pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
-    with open(path + ".tmp", "rb+") as f:
+    with open(partial, "rb+") as f:
         os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    os.replace(partial, path)
     return os.path.getsize(path)
 
 

@@ -10,14 +10,14 @@ anything else is recomputed, so the finished cache is byte-identical to an unint
 
 from __future__ import annotations
 
-import glob
 import os
 from collections.abc import Callable
 
 from accelerate.utils import broadcast_object_list, gather_object
 
-from .manifest import Manifest, dataset_fingerprint, tokenizer_hash
-from .shards import LOG_PROB_DTYPES, file_sha256, shard_name, write_shard
+from ..runtime.run_lock import LOCK_NAME
+from .manifest import MANIFEST, Manifest, dataset_fingerprint, tokenizer_hash
+from .shards import LOG_PROB_DTYPES, file_sha256, is_partial_shard, is_shard, shard_name, write_shard
 
 
 def open_teacher_cache(trainer, directory: str, *, top_k: int = 64, shard_rows: int = 1024,
@@ -48,6 +48,9 @@ def open_teacher_cache(trainer, directory: str, *, top_k: int = 64, shard_rows: 
     decision = [_resume_point(manifest, directory) if accelerator.is_main_process else None]
     decision = broadcast_object_list(decision, from_process=0)[0]
     if isinstance(decision, str):
+        lock = getattr(trainer, "run_lock", None)  # cache-teacher's, on this directory: leave it as it was found
+        if lock is not None and os.path.realpath(lock.output_dir) == os.path.realpath(directory):
+            lock.release()
         raise ValueError(decision)
     manifest.shards = decision
     return manifest
@@ -93,29 +96,44 @@ def fill_teacher_cache(trainer, directory: str, manifest: Manifest, *, batch_siz
 
 
 def _resume_point(manifest: Manifest, directory: str) -> list[dict] | str:
-    """The complete shards to keep (creating the directory and manifest if new), or an error message."""
+    """The complete shards to keep (creating the directory and manifest if new), or an error message. Touches only
+    what a cache writer makes: a directory holding other files and no manifest is refused as it is."""
     os.makedirs(directory, exist_ok=True)
-    for leftover in glob.glob(os.path.join(directory, "*.tmp")):  # written by a killed run: never read
-        os.remove(leftover)
+    names = os.listdir(directory)
+    theirs = sorted(name for name in names if not ours(name))
+    if theirs and not os.path.exists(os.path.join(directory, MANIFEST)):
+        shown = ", ".join(repr(n) for n in theirs[:3]) + (f" and {len(theirs) - 3} more" if len(theirs) > 3 else "")
+        return (f"{directory} is not empty and holds no teacher cache ({shown}): pass an empty or new "
+                "--teacher_cache directory; nothing there was touched.")
     try:
         existing = Manifest.load(directory)
     except ValueError as error:
         return str(error)
-    if existing is None:
-        if any(name.endswith(".arrow") for name in os.listdir(directory)):
-            return f"{directory} holds shards but no manifest.json: pass an empty or new --teacher_cache directory."
-        manifest.save(directory)
-        return []
-    if existing.settings() != manifest.settings():
+    if existing is None and any(is_shard(name) for name in names):
+        return f"{directory} holds shards but no manifest.json: pass an empty or new --teacher_cache directory."
+    if existing is not None and existing.settings() != manifest.settings():
         differs = [f"{k}: {existing.settings()[k]!r} there, {v!r} now" for k, v in manifest.settings().items()
                    if existing.settings()[k] != v]
         return (f"{directory} holds a teacher cache with other settings ({'; '.join(differs)}). Pass another "
                 "--teacher_cache directory, or delete that one to rewrite it.")
+    for leftover in names:  # a shard a killed run of this cache was writing: never read, rewritten whole
+        if is_partial_shard(leftover):
+            os.remove(os.path.join(directory, leftover))
+    if existing is None:
+        manifest.save(directory)
+        return []
     kept = [s for s in existing.shards if _whole(directory, s)]
     if len(kept) < len(existing.shards) or existing.complete != (len(kept) == manifest.num_shards):
         existing.shards, existing.complete = kept, len(kept) == manifest.num_shards
         existing.save(directory)
     return kept
+
+
+def ours(name: str) -> bool:
+    """Whether a file named `name` in a cache directory is one trl_distill writes there: the manifest (and its
+    temporary), shards and partial shards, the run's lock and write probe."""
+    return (name in (MANIFEST, MANIFEST + ".tmp") or is_shard(name) or is_partial_shard(name)
+            or name.startswith((LOCK_NAME, ".trl_distill_write_probe_")))
 
 
 def _whole(directory: str, shard: dict) -> bool:

@@ -43,12 +43,13 @@ def main(argv: list[str]) -> None:
     from ..config import DistillationConfig
     from ..teacher.resolve import check_cacheable_teacher
     from .errors import errors_as_messages, faults_as_messages
-    from .train import build_trainer
+    from .train import build_trainer, check_student_eos, parse_recipe
 
     parser = TrlParser((ScriptArguments, DistillationConfig, ModelConfig, CacheArguments),
                        prog="trl-distill cache-teacher")
     with errors_as_messages("trl-distill cache-teacher"):
-        script_args, training_args, model_args, cache_args = parser.parse_args_and_config(args=argv)
+        script_args, training_args, model_args, cache_args = parse_recipe(parser, argv)
+        check_student_eos(script_args, training_args, model_args)
         directory = training_args.teacher_cache
         if not directory:
             raise ValueError("Pass the directory to write the cache to with --teacher_cache DIR.")

@@ -5,7 +5,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 
-from ..runtime.plan import DTYPE_BYTES, HEADROOM, OPTIMIZER_BYTES, Settings, format_plan, load_spec, parse_count, plan
+from ..runtime.plan import (
+    DTYPE_BYTES,
+    HEADROOM,
+    OPTIMIZER_BYTES,
+    Settings,
+    check_size,
+    format_plan,
+    load_spec,
+    parse_count,
+    plan,
+)
 from .errors import errors_as_messages
 
 EPILOG = f"""\
@@ -52,9 +62,7 @@ class PlanArguments:
     def __post_init__(self):
         for name in ("nodes", "gpus_per_node", "gpu_memory_gb", "micro_batch", "seq_len", "loss_chunk_size",
                      "gradient_accumulation", "teacher_batch_size"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"--{name} must be > 0, got {value}.")
+            check_size(f"--{name}", getattr(self, name))  # > 0, finite, and small enough to compute with
 
 
 @dataclass
@@ -79,9 +87,7 @@ class ModelShapeArguments:
 
     def __post_init__(self):
         for f in fields(self):
-            value = getattr(self, f.name)
-            if value is not None and value <= 0:
-                raise ValueError(f"--{f.name} must be > 0, got {value}.")
+            check_size(f"--{f.name}", getattr(self, f.name))
 
 
 def build_parser():
@@ -98,15 +104,23 @@ def _specs(args: PlanArguments, shape: ModelShapeArguments):
     """Load both models; a count-only model without --*_vocab borrows the other model's vocabulary."""
     dims = {role: {dim: getattr(shape, f"{role}_{flag}") for flag, dim in _DIMS.items()
                    if getattr(shape, f"{role}_{flag}")} for role in ("student", "teacher")}
-    counted = {role: parse_count(getattr(args, role)) is not None for role in dims}
+    counted = {role: _for(role, parse_count, getattr(args, role)) is not None for role in dims}
     order = ("teacher", "student") if counted["student"] else ("student", "teacher")
     specs = {}
     for role in order:
         other = specs.get("student" if role == "teacher" else "teacher")
         if counted[role] and other is not None and "vocab" not in dims[role]:
             dims[role]["vocab"] = other.vocab
-        specs[role] = load_spec(getattr(args, role), dims[role])
+        specs[role] = _for(role, load_spec, getattr(args, role), dims[role])
     return specs["student"], specs["teacher"]
+
+
+def _for(role: str, function, *args):
+    """`function(*args)`, a `ValueError` naming the flag of the model it is about (``--student: '0' is ...``)."""
+    try:
+        return function(*args)
+    except ValueError as error:
+        raise ValueError(f"--{role}: {error}") from error
 
 
 def main(argv: list[str]) -> None:
@@ -114,7 +128,7 @@ def main(argv: list[str]) -> None:
     with errors_as_messages("trl-distill plan"):
         args, shape = build_parser().parse_args_into_dataclasses(args=argv)
         student, teacher = _specs(args, shape)
-    values = {f.name: getattr(args, f.name) for f in fields(Settings)}
-    settings = Settings(**{**values, "gradient_checkpointing": args.gradient_checkpointing == "on"})
+        values = {f.name: getattr(args, f.name) for f in fields(Settings)}
+        settings = Settings(**{**values, "gradient_checkpointing": args.gradient_checkpointing == "on"})
     result = plan(student, teacher, settings)
     print(json.dumps(result, indent=2) if args.json else format_plan(result))

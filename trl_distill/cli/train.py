@@ -15,7 +15,12 @@ def make_parser():
 
 def validate(script_args, training_args, model_args) -> None:
     """Checks that need no model: fail in seconds, before anything is loaded or written."""
-    from ..runtime.validation import check_model_path, check_weights_complete, refuse_quantization_without_gpu
+    from ..runtime.validation import (
+        check_apart,
+        check_model_path,
+        check_weights_complete,
+        refuse_quantization_without_gpu,
+    )
     from ..teacher.resolve import check_teacher_flags
 
     if not model_args.model_name_or_path:
@@ -27,6 +32,7 @@ def validate(script_args, training_args, model_args) -> None:
     check_weights_complete(model_args.model_name_or_path, "--model_name_or_path")
     if not script_args.dataset_name:
         raise ValueError("Pass a dataset with --dataset_name (a hub id, a .jsonl/.json/.parquet/.csv file or a dir).")
+    check_apart(training_args.output_dir, {"the dataset (--dataset_name)": script_args.dataset_name})
 
 
 def build_trainer(script_args, training_args, model_args):
@@ -69,11 +75,45 @@ def build_trainer(script_args, training_args, model_args):
     )
 
 
+def parse_recipe(parser, argv: list[str]):
+    """`parser.parse_args_and_config(argv)`: a recipe (``--config FILE``) that is not valid YAML is one line naming
+    the file and the line, not yaml's traceback."""
+    import yaml
+
+    path = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
+    if path is None and "--config" in argv:
+        raise ValueError("--config needs the path of a YAML recipe.")
+    try:
+        return parser.parse_args_and_config(args=argv)
+    except yaml.YAMLError as error:
+        mark, context = getattr(error, "problem_mark", None), getattr(error, "context", None)
+        opened = getattr(error, "context_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "not YAML"
+        problem = getattr(error, "problem", None) or str(error).strip().splitlines()[0]
+        if context and opened is not None:
+            problem += f" ({context} from line {opened.line + 1})"
+        raise ValueError(f"{path}: {where}: {problem}. The recipe (--config) is not valid YAML.") from error
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start}). The recipe (--config) must "
+                         "be a YAML file.") from error
+
+
+def check_student_eos(script_args, training_args, model_args) -> None:
+    """The student's tokenizer has an EOS, or --eos_token gives one (`data.prepare.check_eos_token`)."""
+    from ..data.prepare import check_eos_before_loading
+
+    if (training_args.dataset_kwargs or {}).get("skip_prepare_dataset"):
+        return  # SFT adds no EOS to data it does not prepare
+    check_eos_before_loading(model_args.model_name_or_path, script_args.dataset_name, script_args.dataset_config,
+                             script_args.dataset_train_split, training_args.eos_token)
+
+
 def main(argv: list[str]) -> None:
     """`trl-distill [flags]`: parse, set up (bad input: one line), then train and save (an expected fault: one line;
     our own bugs keep their traceback)."""
     with errors_as_messages():
-        script_args, training_args, model_args = make_parser().parse_args_and_config(args=argv)
+        script_args, training_args, model_args = parse_recipe(make_parser(), argv)
+        check_student_eos(script_args, training_args, model_args)
         trainer = build_trainer(script_args, training_args, model_args)
         resume = trainer.resume_point(training_args.resume_from_checkpoint)
     with faults_as_messages():  # an expected fault from here on is one line too (a full disk, a dead server)

@@ -5,12 +5,20 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+
+from ..runtime.hub import require_hub
+from ..runtime.quiet import PROMPT_NOT_A_PREFIX
 
 logger = logging.getLogger(__name__)
 
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+# Endings that make a missing name a data file, not a hub id
+_DATA_EXTENSIONS = {*_FILE_BUILDERS, ".txt", ".tsv", ".ndjson", ".gz", ".bz2", ".xz", ".zst", ".zip", ".tar", ".xlsx"}
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")  # `name` or `owner/name`
+_SAVED = ("dataset_dict.json", "dataset_info.json", "state.json")  # what `save_to_disk` writes
 FORMATS = {
     "language modeling": ("text",),
     "prompt-completion": ("prompt", "completion"),
@@ -18,10 +26,11 @@ FORMATS = {
 }
 
 
-def load_dataset_any(name: str, config: str | None = None) -> DatasetDict:
+def load_dataset_any(name: str, config: str | None = None, what: str = "--dataset_name") -> DatasetDict:
     """Load `name` as a `DatasetDict`: a local .jsonl/.json/.parquet/.csv/.arrow file (split "train"), a
-    directory saved with `save_to_disk`, a directory of data files, or a hub id."""
-    looks_local = os.path.sep in name or name.startswith(".") or os.path.splitext(name)[1] in _FILE_BUILDERS
+    directory saved with `save_to_disk`, a directory of data files, or a hub id (``owner/name`` or ``name``, not an
+    existing path: loaded from the hub, after `hub.require_hub` made sure the hub answers). `what` names the
+    argument in messages."""
     if os.path.isfile(name):
         builder = _FILE_BUILDERS.get(os.path.splitext(name)[1].lower())
         if builder is None:
@@ -33,15 +42,31 @@ def load_dataset_any(name: str, config: str | None = None) -> DatasetDict:
         except Exception as error:  # datasets wraps a parser's error in its own DatasetGenerationError
             raise ValueError(_unreadable(name, builder, error)) from error
     if os.path.isdir(name):
-        if os.path.exists(os.path.join(name, "dataset_dict.json")) or os.path.exists(
-            os.path.join(name, "dataset_info.json")
-        ):
-            loaded = load_from_disk(name)
-            return loaded if isinstance(loaded, DatasetDict) else DatasetDict({"train": loaded})
+        if any(os.path.exists(os.path.join(name, saved)) for saved in _SAVED):
+            return _load_saved(name)
         return load_dataset(name, name=config)
-    if looks_local:
+    if not looks_like_hub_id(name):
         raise FileNotFoundError(f"Dataset path not found: {name!r}.")
+    require_hub(name, what, "file or directory")
     return load_dataset(name, name=config)
+
+
+def looks_like_hub_id(name: str) -> bool:
+    """Whether a name that is no existing path means a hub dataset: ``owner/name`` or ``name`` (letters, digits,
+    ``-_.``), not ending like a data file (``data/train.jsonl`` is a missing file)."""
+    return bool(_HUB_ID.fullmatch(name)) and os.path.splitext(name)[1].lower() not in _DATA_EXTENSIONS
+
+
+def _load_saved(directory: str) -> DatasetDict:
+    """A directory written by `save_to_disk`; one that cannot be read back (an arrow file cut short, a damaged
+    state.json) is one line naming it."""
+    try:
+        loaded = load_from_disk(directory)
+    except Exception as error:  # pyarrow's, json's or datasets' own error: none names the directory
+        cause = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
+        raise ValueError(f"Cannot read the dataset saved at {directory!r} (with `save_to_disk`): {cause}. Its files "
+                         "are damaged or incomplete (a copy cut short?): save or copy it again.") from error
+    return loaded if isinstance(loaded, DatasetDict) else DatasetDict({"train": loaded})
 
 
 def _unreadable(name: str, builder: str, error: Exception) -> str:
@@ -121,27 +146,100 @@ def tokenizer_of(model):
 
 
 def _check_rows(dataset: Dataset, fmt: str, needed: tuple[str, ...], split: str) -> None:
+    """Every row has its format's fields, and each holds text: a string, or (messages, and a conversational
+    prompt / completion) a list of turns whose content is text."""
     for column in needed:
         for row, value in enumerate(dataset[column]):
             if value is None:
                 present = sorted(k for k, v in dataset[row].items() if v is not None)
                 raise ValueError(f"Row {row} of the {split!r} split has no {column!r} (it has {present}): every row "
                                  f"must be in one format, here {fmt} ({', '.join(needed)}).")
-            if column == "messages" and not (isinstance(value, list) and all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in value)):
-                raise ValueError(f"Row {row} of the {split!r} split: 'messages' must be a list of {{'role', "
-                                 f"'content'}} turns, got {str(value)[:80]!r}.")
+            if column == "messages" or (column in ("prompt", "completion") and isinstance(value, list)):
+                _check_turns(value, row, column, split)
+            elif not isinstance(value, str):
+                raise ValueError(f"Row {row} of the {split!r} split: {column!r} must be a string, got "
+                                 f"{type(value).__name__} {_short(value)}. {_AS_TEXT}")
+
+
+_AS_TEXT = ("Store every text field as a string (a CSV column of numbers is read as numbers: write the data as JSON "
+            "Lines with quoted strings).")
+
+
+def _check_turns(value, row: int, column: str, split: str) -> None:
+    if not (isinstance(value, list) and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in value)):
+        raise ValueError(f"Row {row} of the {split!r} split: {column!r} must be a list of {{'role', "
+                         f"'content'}} turns, got {str(value)[:80]!r}.")
+    for turn, message in enumerate(value):
+        content = message["content"]  # text, a list of parts (multimodal), or None (a turn of tool calls)
+        if content is not None and not isinstance(content, str | list):
+            raise ValueError(f"Row {row} of the {split!r} split: {column!r} turn {turn} ({message['role']}) has "
+                             f"content {type(content).__name__} {_short(content)}, not a string. {_AS_TEXT}")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_eos_token(tokenizer, dataset, eos_token: str | None = None, source: str | None = None) -> None:
+    """SFT appends the tokenizer's EOS to every text and completion of a non-conversational dataset (and pads with
+    it when there is no pad token): a tokenizer without one is one clear error before that (else ``endswith first
+    arg must be str`` from inside SFT's preparation). `eos_token` is SFT's `eos_token` argument (it sets one);
+    `source` names the tokenizer (default: its `name_or_path`)."""
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's tokenizer
+    if tokenizer is None or eos_token is not None or getattr(tokenizer, "eos_token", None) is not None:
+        return
+    columns = getattr(dataset, "column_names", None)
+    if isinstance(dataset, dict) or not columns or "input_ids" in columns:  # none, or tokenized: SFT adds no EOS
+        return
+    from trl.data_utils import is_conversational
+
+    first = next(iter(dataset), None)
+    if first is None or is_conversational(first):
+        return
+    name = source or getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+    raise ValueError(f"The tokenizer of {name!r} has no eos_token, and SFT ends every text and completion with it: "
+                     "set one (`tokenizer.eos_token = ...`, saved with the model) or pass --eos_token TOKEN (a token "
+                     "of its vocabulary).")
+
+
+def check_eos_before_loading(model: str | None, dataset_name: str | None, dataset_config: str | None, split: str,
+                             eos_token: str | None) -> None:
+    """The command line's `check_eos_token`, before any model is loaded: the tokenizer of a local `model` directory
+    (a hub id is not checked here) against the training split (read only when the tokenizer has no EOS)."""
+    if eos_token is not None or not model or not dataset_name or not os.path.isdir(model):
+        return
+    try:
+        tokenizer = tokenizer_of(model)
+    except (OSError, ValueError):  # no tokenizer saved there: the model's own loading says so
+        return
+    if tokenizer is None or tokenizer.eos_token is not None:
+        return
+    check_eos_token(tokenizer, load_dataset_any(dataset_name, dataset_config).get(split), source=model)
 
 
 def log_skipped_rows(given, prepared, args) -> None:
     """Say how many training rows SFT's preparation dropped because they carry no loss token (a conversation with
     no assistant turn, a completion truncated away): a counted, logged skip rather than a silent one."""
+    log_repeated_prompt_warning()
     if args.packing or not hasattr(given, "__len__") or isinstance(given, dict) or not hasattr(prepared, "__len__"):
         return
     skipped = len(given) - len(prepared)
     if skipped > 0:
         logger.warning(f"{skipped} of {len(given)} training rows carry no loss token (no completion or assistant "
                        f"turn left within max_length={args.max_length}) and are skipped.")
+
+
+def log_repeated_prompt_warning() -> None:
+    """TRL warns "the tokenized prompt is not a prefix of the tokenized prompt+completion" once per distinct prompt
+    ending; `quiet` lets the first through and counts the rest: say here, once the data is prepared, how many."""
+    count = PROMPT_NOT_A_PREFIX.take()
+    if count > 1:
+        logger.warning(f"TRL's warning above (the tokenized prompt is not a prefix of the tokenized prompt+completion) "
+                       f"applies to at least {count} rows (rows with the same prompt ending count once), shown once. "
+                       "End the prompts on a token boundary (e.g. after a space or punctuation) to train on the "
+                       "context the model sees at inference.")
 
 
 def drop_unanswered_conversations(dataset, assistant_only_loss: bool):

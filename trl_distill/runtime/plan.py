@@ -8,6 +8,7 @@ config.json or a count (`8B`). See docs/planner.md.
 from __future__ import annotations
 
 import contextlib
+import decimal
 import math
 import os
 import re
@@ -38,6 +39,7 @@ CONFIGS = {
                dict(student_stage=2, teacher="served")),
 }
 SERVED_TOP_K = 64  # --teacher_server_top_k's default: ids (int64) and log-probs (fp32) per loss token
+LIMIT = 10**15  # the largest count, size or dimension planned: past it the arithmetic leaves float range
 # Cheapest first: least communication, then the least PCIe traffic; "replicated" (TRL's) is never recommended, nor
 # "served" (it needs a vLLM server on other GPUs: the recommendation names it only when nothing else fits).
 PREFERENCE = ("ours", "zero3", "offload_optimizer", "offload_teacher")
@@ -77,6 +79,11 @@ class Settings:
     gradient_accumulation: int = 1
     teacher_batch_size: int | None = None  # rows per teacher forward in the once-per-step pass; None: all of them
 
+    def __post_init__(self):
+        for name in ("nodes", "gpus_per_node", "gpu_memory_gb", "micro_batch", "seq_len", "loss_chunk_size",
+                     "gradient_accumulation", "teacher_batch_size"):
+            check_size(name, getattr(self, name))
+
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
@@ -92,15 +99,38 @@ class Settings:
         return int(self.gpu_memory_gb * GIB * (1 - HEADROOM))
 
 
+def check_size(name: str, value) -> None:
+    """A count or size of the plan (`name` as the message calls it) is None, or a finite number in (0, `LIMIT`]."""
+    if value is None:
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}.")
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}.")
+    if value > LIMIT:
+        shown = f"{value:g}" if isinstance(value, float) else str(value) if value < 10**20 else "a longer number"
+        raise ValueError(f"{name} must be at most {LIMIT:.0e} (past it the estimate is meaningless), got {shown}.")
+
+
 # ---- Models ----
 
 def parse_count(text: str) -> int | None:
-    """`8B`, `600M`, `1.5b`, `8e9`, `125k` -> a parameter count; None when `text` is not a count."""
+    """`8B`, `600M`, `1.5b`, `8e9`, `125k` -> a parameter count; None when `text` is not a count. A count that is
+    not in [1, `LIMIT`] (``0``, ``1e400``) is a `ValueError`."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:e[+-]?\d+)?)\s*([kmbt]?)\s*", str(text), flags=re.IGNORECASE)
     if not match:
         return None
-    scale = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[match.group(2).lower()]
-    return int(round(float(match.group(1)) * scale))
+    scale = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}[match.group(2).lower()]
+    number = decimal.Decimal(match.group(1))  # exact: float("1e400") is inf, and int(inf) an OverflowError
+    with decimal.localcontext() as exact:
+        exact.prec = 60
+        value = number * scale if number.adjusted() <= 30 else None
+    if value is None or value > LIMIT:
+        raise ValueError(f"{text.strip()!r} is more parameters than this planner plans (at most {LIMIT:.0e}).")
+    count = int(value.to_integral_value(rounding=decimal.ROUND_HALF_EVEN))
+    if count < 1:
+        raise ValueError(f"{text.strip()!r} is {count} parameters: a model to plan needs at least one.")
+    return count
 
 
 def spec_from_config(path: str) -> ModelSpec:
@@ -127,6 +157,9 @@ def spec_from_config(path: str) -> ModelSpec:
 def spec_from_count(count: int, hidden=None, layers=None, vocab=None, intermediate=None, heads=None,
                     kv_heads=None) -> ModelSpec:
     """A Llama-shaped model of `count` parameters; missing dims follow hidden/layers ~ 128 and a SwiGLU MLP."""
+    for name, value in (("parameter count", count), ("hidden", hidden), ("layers", layers), ("vocab", vocab),
+                        ("intermediate", intermediate), ("heads", heads), ("kv_heads", kv_heads)):
+        check_size(name, value)
     hidden = hidden or max(128, round((count * 128 / 12) ** (1 / 3) / 128) * 128)
     layers = layers or max(1, round(count / (12 * hidden**2)))
     vocab = vocab or 32000

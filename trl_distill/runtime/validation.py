@@ -21,9 +21,13 @@ def looks_local(path: str) -> bool:
 
 
 def check_model_path(path: str, what: str) -> None:
-    """A local-looking model path must be a directory (a hub id is left to `from_pretrained`)."""
+    """A local-looking model path must be a directory whose checkpoint files agree with its config; a hub id needs
+    a hub that answers (`checkpoint_files.check_model_source`), then is left to `from_pretrained`."""
     if looks_local(path) and not os.path.isdir(path):
         raise FileNotFoundError(f"{what}: no model directory at {path!r}.")
+    from .checkpoint_files import check_model_source
+
+    check_model_source(path, what)  # a directory: its files agree with its config; a hub id: the hub answers
 
 
 def check_weights_complete(directory: str, what: str) -> None:
@@ -40,6 +44,7 @@ def check_weights_complete(directory: str, what: str) -> None:
             files = sorted(name for name in os.listdir(directory) if name.endswith(".safetensors"))
     except (ValueError, KeyError) as error:
         raise ValueError(f"{what}: {index} is not a valid safetensors index ({error}).") from error
+    present: dict[str, str] = {}  # every tensor the files hold: the file that holds it
     for name in files:
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
@@ -60,6 +65,69 @@ def check_weights_complete(directory: str, what: str) -> None:
         if size < expected:
             raise ValueError(f"{what}: {path} is truncated ({size} bytes; its header needs {expected}). Re-save or "
                              "re-download the model.")
+        present.update(dict.fromkeys(header, path))
+    if present:
+        source = index if os.path.exists(index) else os.path.join(directory, files[0])
+        missing = _tensors_missing(directory, set(present))
+        if missing:
+            raise ValueError(missing_tensors_message(what, source, missing))
+
+
+def missing_tensors_message(what: str, source: str, missing: list[str]) -> str:
+    """One line naming the tensors a checkpoint lacks (transformers would initialise them randomly) and its file."""
+    names = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+    return (f"{what}: {source} lacks {len(missing)} tensor(s) the model needs ({names}); loading would fill them "
+            "with random values. Re-save or re-download the model.")
+
+
+def weights_file(source: str) -> str:
+    """The file a model's weights are read from, for a message: the index of a sharded checkpoint, else its one
+    weights file; `source` itself for a hub id."""
+    for name in ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
+                 "pytorch_model.bin"):
+        if os.path.isfile(os.path.join(source, name)):
+            return os.path.join(source, name)
+    return source
+
+
+def expected_parameters(model) -> list[list[str]]:
+    """The names of each of `model`'s parameters, one list per parameter (tied weights share one: either name in
+    a checkpoint fills it)."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return list(groups.values())
+
+
+def unfilled(groups: list[list[str]], present: set[str], ignore: list[str] | None = None) -> list[str]:
+    """The parameters (first name of each group) none of whose names is in `present`, less the `ignore` patterns
+    (a model class's ``_keys_to_ignore_on_load_missing``)."""
+    import re
+
+    missing = [names[0] for names in groups if not present.intersection(names)]
+    return [name for name in missing if not any(re.search(pattern, name) for pattern in ignore or ())]
+
+
+def _tensors_missing(directory: str, present: set[str]) -> list[str]:
+    """The parameters a causal LM built from `directory`'s config has and its safetensors files lack: built on the
+    meta device (nothing allocated). Only where the files use the model's own names (no tensor the model does not
+    name): a checkpoint that transformers converts as it loads (renamed or fused tensors) is its loader's to report.
+    Empty when the config cannot be built here (remote code, another kind of model)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(directory)
+        if getattr(config, "quantization_config", None) is not None:
+            return []
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as error:  # noqa: BLE001 - any config this check cannot build is left to the loader
+        logger.debug("Not checking %s for missing tensors: %s", directory, error)
+        return []
+    known = set(model.state_dict())
+    if present - known:
+        return []  # names the model does not use: a checkpoint transformers converts as it loads
+    return unfilled(expected_parameters(model), present, getattr(model, "_keys_to_ignore_on_load_missing", None))
 
 
 def refuse_quantization_without_gpu(init_kwargs: dict | str | None, where: str) -> None:
@@ -147,11 +215,13 @@ def shared_vocab_size(student_config, teacher_config, tokenizer) -> int:
     return shared
 
 
-def check_output_dir(path: str) -> None:
-    """`output_dir` must be a directory this process can write, checked before any work: an existing file there, or a
-    place it cannot create or write, is one clear error (found at the end otherwise, after the whole run). Writes
-    nothing that stays: an existing directory gets a probe file, removed at once; a missing one is not created here,
-    its nearest existing parent is checked instead."""
+def check_output_dir(path: str, inputs: dict[str, str | None] | None = None) -> None:
+    """`output_dir` must be a directory this process can write, apart from everything the run reads, checked before
+    any work: an output that is, holds or lies inside one of `inputs` (``{what: path}``, see `run_inputs`) would
+    save over the teacher, the student or the data; an existing file there, or a place it cannot create or write,
+    is found at the end otherwise, after the whole run. Writes nothing that stays: an existing directory gets a
+    probe file, removed at once; a missing one is not created here, its nearest existing parent is checked."""
+    check_apart(path, inputs or {})
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"output_dir {path!r} is an existing file, not a directory: pass another --output_dir.")
     if os.path.isdir(path):
@@ -170,3 +240,63 @@ def check_output_dir(path: str) -> None:
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"Cannot create output_dir {path!r}: {parent!r} is not a writable directory. Pass a "
                          "writable --output_dir.")
+
+
+def check_apart(output: str, inputs: dict[str, str | None]) -> None:
+    """Refuse an `output` directory that is, holds or lies inside a local path of `inputs` (``{what: path}``; a hub
+    id, None or a path that does not exist is not a local input). Symbolic links are followed."""
+    out = os.path.realpath(output)
+    for what, given in inputs.items():
+        if not given or not os.path.exists(given):
+            continue
+        read = os.path.realpath(given)
+        if out == read:
+            how = "is"
+        elif out.startswith(read.rstrip(os.sep) + os.sep):
+            how = "is inside"
+        elif read.startswith(out.rstrip(os.sep) + os.sep):
+            how = "holds"
+        else:
+            continue
+        raise ValueError(f"The output directory {output!r} {how} {what} {given!r}: the run would write its model "
+                         "and checkpoints into what it reads. Pass an output directory apart from every input "
+                         "(--output_dir; for cache-teacher, --teacher_cache).")
+
+
+def run_inputs(args, student=None, teacher=None, datasets=()) -> dict[str, str | None]:
+    """``{what: path}`` of everything a run reads from disk: the student, the teacher, its cache and tokenizer, the
+    data files (for `check_output_dir`). A model object counts by the directory it was loaded from."""
+    teacher = teacher if teacher is not None else getattr(args, "teacher_model_name_or_path", None)
+    inputs = {"the student (--model_name_or_path)": _source_of(student),
+              "the teacher (--teacher_model_name_or_path)": _source_of(teacher),
+              "the teacher cache (--teacher_cache)": getattr(args, "teacher_cache", None),
+              "the teacher's tokenizer (--teacher_tokenizer_name_or_path)":
+                  getattr(args, "teacher_tokenizer_name_or_path", None)}
+    for number, source in enumerate(path for dataset in datasets for path in dataset_sources(dataset)):
+        inputs[f"the dataset{'' if number == 0 else f' ({number + 1})'} (--dataset_name)"] = source
+    return inputs
+
+
+def _source_of(model) -> str | None:
+    """The local directory a model (or a path) comes from, if any."""
+    path = model if isinstance(model, str | os.PathLike) else getattr(model, "name_or_path", None)
+    return os.fspath(path) if isinstance(path, str | os.PathLike) and os.path.exists(path) else None
+
+
+def dataset_sources(dataset) -> list[str]:
+    """The local paths a `datasets` dataset (or a dict of them) was read from: its data files where `datasets`
+    recorded them, and the directory of the Arrow files of a `save_to_disk` dataset (not the datasets cache, which
+    is not the user's). A data file loaded with `load_dataset("json", ...)` is not recorded: the command line checks
+    its --dataset_name itself."""
+    from datasets import config
+
+    cache = os.path.realpath(str(config.HF_DATASETS_CACHE))
+    found = []
+    for split in dataset.values() if isinstance(dataset, dict) else [dataset] if dataset is not None else []:
+        info = getattr(split, "info", None)
+        names = list(getattr(info, "download_checksums", None) or {})
+        names += [os.path.dirname(entry.get("filename") or "") for entry in getattr(split, "cache_files", None) or []]
+        for name in names:
+            if isinstance(name, str) and os.path.exists(name) and not os.path.realpath(name).startswith(cache):
+                found.append(name)
+    return list(dict.fromkeys(found))

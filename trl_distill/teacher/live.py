@@ -138,6 +138,9 @@ class LiveTeacher(TeacherSource):
         return self.module, contextlib.nullcontext, num_processes > 1 and self.engine is not self.module
 
     def _load(self) -> PreTrainedModel:
+        from ..errors import ExternalError
+        from ..runtime.validation import expected_parameters, missing_tensors_message, unfilled, weights_file
+
         if isinstance(self.source, PreTrainedModel):
             return self.source
         kwargs = {"trust_remote_code": False, **self.init_kwargs}
@@ -148,7 +151,14 @@ class LiveTeacher(TeacherSource):
             model = load_partitioned(self.source, kwargs)  # each rank reads only its partition's bytes
             if model is not None:
                 return model
-        return AutoModelForCausalLM.from_pretrained(self.source, **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(self.source, output_loading_info=True, **kwargs)
+        # A parameter the checkpoint lacks is left randomly initialised (transformers only logs it): refuse. Tied
+        # weights are filled by either of their names; the model's own ignore patterns are honoured.
+        loaded = {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(info["missing_keys"])
+        missing = unfilled(expected_parameters(model), loaded, getattr(model, "_keys_to_ignore_on_load_missing", None))
+        if missing:
+            raise ExternalError(missing_tensors_message("teacher_model", weights_file(self.source), missing))
+        return model
 
     def prepare(self, accelerator, device: torch.device) -> None:
         """Load (if needed) and prepare the teacher. Collective under DeepSpeed: call on every rank, once."""

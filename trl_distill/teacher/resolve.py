@@ -97,18 +97,71 @@ def _live_or_cross(teacher_model, args, student, processing_class) -> LiveTeache
     return live
 
 
+# The files `AutoTokenizer` reads from a directory (any one of them makes it a tokenizer directory)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model")
+
+
 def load_teacher_tokenizer(args, source: str | PreTrainedModel):
     """The teacher's tokenizer: `teacher_tokenizer_name_or_path`, else the one saved with the teacher; None when
-    there is none to load (a model object without a tokenizer path)."""
+    there is none to load (a model object without a tokenizer path; a teacher directory with no tokenizer file at
+    all, with a warning). A tokenizer file there that cannot be read or parsed is one error naming it: the run
+    must not go on assuming the student's ids for a teacher that has its own."""
     from transformers import AutoTokenizer
 
     path = args.teacher_tokenizer_name_or_path
-    if path is None and isinstance(source, str | os.PathLike):
-        try:
-            return AutoTokenizer.from_pretrained(source)
-        except (OSError, ValueError):
+    if path is None and not isinstance(source, str | os.PathLike):
+        return None
+    if path is None:
+        where, flag = os.fspath(source), "--teacher_model_name_or_path"
+    else:
+        where, flag = path, "--teacher_tokenizer_name_or_path"
+    local = os.path.isdir(where)
+    if local:
+        present = [name for name in TOKENIZER_FILES if os.path.exists(os.path.join(where, name))]
+        if not present and path is None:
+            logger.warning("The teacher directory %s has no tokenizer files: assuming the teacher uses the student's "
+                           "tokenizer. Pass --teacher_tokenizer_name_or_path if it has its own.", where)
             return None
-    return None if path is None else AutoTokenizer.from_pretrained(path)
+        for name in present:
+            _check_tokenizer_file(os.path.join(where, name), flag)
+    try:
+        return AutoTokenizer.from_pretrained(where)
+    except Exception as error:  # noqa: BLE001 - tokenizers raises its own exception types; each is one line here
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if not local and path is None and isinstance(error, OSError):
+            logger.warning("No tokenizer for the teacher %s (%s): assuming it uses the student's tokenizer.", where,
+                           detail)
+            return None
+        raise ValueError(f"{flag}: cannot load the teacher's tokenizer from {where!r} ({detail}). Re-save it with "
+                         "`save_pretrained`, or pass --teacher_tokenizer_name_or_path.") from error
+
+
+def _check_tokenizer_file(path: str, flag: str) -> None:
+    """A tokenizer file is readable and, when JSON, parses (``tokenizer.json`` as a `tokenizers.Tokenizer` too)."""
+    import json
+
+    fix = "Re-save the teacher's tokenizer with `save_pretrained`, or pass --teacher_tokenizer_name_or_path."
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as error:
+        raise ValueError(f"{flag}: cannot read the tokenizer file {path} ({error.strerror or error}). {fix}") from error
+    if not path.endswith(".json"):
+        return
+    try:
+        json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as error:
+        raise ValueError(f"{flag}: the tokenizer file {path} is not valid JSON ({error}). {fix}") from error
+    if os.path.basename(path) == "tokenizer.json":
+        from tokenizers import Tokenizer
+
+        try:
+            Tokenizer.from_str(raw.decode("utf-8"))
+        except Exception as error:  # noqa: BLE001 - the Rust parser's own exception type
+            detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ValueError(f"{flag}: the tokenizer file {path} cannot be parsed ({detail}). {fix}") from error
 
 
 def wants_cross_tokenizer(args, student_tokenizer, teacher_tokenizer) -> bool:

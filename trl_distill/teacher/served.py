@@ -6,21 +6,31 @@ Trainer collates the micro-batches of an optimizer step before it trains on the 
 collates one batch ahead, so the answers arrive while the student computes. `compute_loss` then runs the same
 sparse loss as from a teacher cache. `trl-distill cache-teacher --teacher_server URL` writes a cache through this
 same collator.
+
+A fault of the server (down, hung, HTTP 5xx, a reply vLLM would not send) is a `TeacherServerError` raised on a
+request's thread; it surfaces where the batch's signal is read, in `pop_batch`, which every rank reaches for every
+micro-batch: there the ranks agree (one scalar all-reduce), cancel what they have queued and raise it together, so
+every rank stops with the same one line. The requests run on daemon threads: one still waiting on a hung server
+never holds the process at exit.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
+from concurrent.futures import Future
 
 import torch
 
 from ..data.batch import SIGNAL, SignalHolder, loss_tokens, pop_signal
+from ..errors import ExternalError
 from ..loss.sparse import SparseTeacherSignal
+from ..runtime.distributed import first_failure
 from .base import TeacherSource
 from .rows import SparseRows
-from .server_client import TeacherServerClient
+from .server_client import TeacherServerClient, TeacherServerError, TeacherServerReplyError
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +63,7 @@ class ServedTeacher(TeacherSource):
         self.client = TeacherServerClient(url, model or "", timeout=timeout)
         self.top_k, self.concurrency = top_k, concurrency
         self.vocab_size = None  # the student's, once `check` has run
-        self._pool, self._pool_pid = None, None
+        self._pool, self._pool_pid = None, None  # a `RequestPool` of this process
 
     @property
     def name(self) -> str:
@@ -85,7 +95,20 @@ class ServedTeacher(TeacherSource):
                         self.name, self.client.url, self.top_k, self.concurrency)
 
     def pop_batch(self, inputs: dict):
-        return pop_signal(inputs)
+        """The batch's signal (waited for here); a server fault met on any rank stops every rank, with its line."""
+        try:
+            signal, failure = pop_signal(inputs), None
+        except ExternalError as error:  # raised on the request's thread (or in a DataLoader worker)
+            signal, failure = None, error
+        first = first_failure(None if failure is None else str(failure), self.trainer.accelerator)
+        if first is None:
+            return signal
+        self.close()  # what is queued is cancelled, what is in flight stops retrying
+        rank, message = first
+        whose = "" if failure is not None else f" (met by rank {rank}; every rank stopped)"
+        error = type(failure) if failure is not None else TeacherServerError
+        raise error(f"{message}{whose} Stopped at step {self.trainer.state.global_step + 1}: resume from the last "
+                    "complete checkpoint with --resume_from_checkpoint true once the server is fixed.") from failure
 
     def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> SparseRows:
         return SparseRows(extras)
@@ -157,16 +180,19 @@ class ServedTeacher(TeacherSource):
         """Ask for the signal of a collated batch's loss tokens; in the main process it arrives on a thread."""
         rows, positions = loss_rows(batch)
         if torch.utils.data.get_worker_info() is not None:  # a DataLoader worker: it is ahead of training already
-            return SignalHolder(self.fetch(rows, positions))
+            try:
+                return SignalHolder(self.fetch(rows, positions))
+            except ExternalError as error:  # raised where the loss reads it, as from a thread (not as the
+                return FailedSignal(error)  # DataLoader's "Caught ... in DataLoader worker" wrapper)
         if self._pool is None or self._pool_pid != os.getpid():
-            self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="served-teacher")
-            self._pool_pid = os.getpid()
+            self._pool, self._pool_pid = RequestPool(self.concurrency), os.getpid()
         return SignalHolder(self._pool.submit(self.fetch, rows, positions))
 
-    def fetch(self, rows: list[list[int]], positions: list[torch.Tensor]) -> SparseTeacherSignal:
+    def fetch(self, rows: list[list[int]], positions: list[torch.Tensor],
+              stop: threading.Event | None = None) -> SparseTeacherSignal:
         """The signal at `positions` of each row (a position t predicts the row's token t + 1), row-major: the
-        order in which the loss selects its tokens."""
-        signals = self.client.top_k_rows(rows, self.top_k)
+        order in which the loss selects its tokens. `stop` cancels the request's retries."""
+        signals = self.client.top_k_rows(rows, self.top_k, stop)
         parts = [SparseTeacherSignal(*(t[where] for t in signal)) for signal, where in zip(signals, positions,
                                                                                              strict=True)]
         signal = SparseTeacherSignal(*(torch.cat(column) for column in zip(*parts, strict=True)))
@@ -174,9 +200,61 @@ class ServedTeacher(TeacherSource):
         return signal
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        if self._pool is not None and self._pool_pid == os.getpid():
+            self._pool.close()
+        self._pool = None
+
+
+class RequestPool:
+    """`size` daemon threads running the requests `submit` queues, each answered in a `Future`. Unlike a
+    `ThreadPoolExecutor` (whose threads Python joins at exit), a request still waiting on a hung server never
+    holds the process once training has stopped; `close` cancels the queued requests and stops the retries of
+    those in flight."""
+
+    def __init__(self, size: int):
+        self.stop, self._queue = threading.Event(), queue.SimpleQueue()
+        for i in range(size):
+            threading.Thread(target=self._work, name=f"served-teacher-{i}", daemon=True).start()
+        self._size = size
+
+    def submit(self, fetch, *args) -> Future:
+        future = Future()
+        self._queue.put((future, fetch, args))
+        return future
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fetch, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fetch(*args, stop=self.stop))
+            except BaseException as error:  # handed to whoever reads the future
+                future.set_exception(error)
+
+    def close(self) -> None:
+        self.stop.set()
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        for _ in range(self._size):
+            self._queue.put(None)
+
+
+class FailedSignal(SignalHolder):
+    """A batch whose request failed in a DataLoader worker: reading its signal raises the server's error."""
+
+    def __init__(self, error: ExternalError):
+        super().__init__(None)
+        self.error = error
+
+    @property
+    def signal(self) -> SparseTeacherSignal:
+        raise self.error
 
 
 class ServedTeacherCollator:
@@ -208,5 +286,6 @@ def loss_rows(batch: dict) -> tuple[list[list[int]], list[torch.Tensor]]:
 def check_ids(signal: SparseTeacherSignal, vocab_size: int | None, url: str) -> None:
     """One clear error for a served token id the student's vocabulary does not have."""
     if vocab_size is not None and signal.ids.numel() and int(signal.ids.max()) >= vocab_size:
-        raise ValueError(f"The teacher server {url} returned token id {int(signal.ids.max())}, outside the student's "
-                         f"vocabulary of {vocab_size}: the served model must share the student's tokenizer.")
+        raise TeacherServerReplyError(f"The teacher server {url} returned token id {int(signal.ids.max())}, outside "
+                                      f"the student's vocabulary of {vocab_size}: the served model must share the "
+                                      "student's tokenizer.")

@@ -23,6 +23,8 @@ import struct
 import torch
 
 from ..compat import partitioned_construction, zero3_partition
+from ..errors import ExternalError
+from ..runtime.validation import expected_parameters, missing_tensors_message, unfilled
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +104,20 @@ def _read_flat(path: str, entry: dict, data_start: int, first: int, count: int) 
     return values
 
 
+def _refuse_missing(directory: str, model, entries: dict) -> None:
+    """One error naming the parameters the checkpoint lacks, where its tensors all carry the model's own names (the
+    fallback, `from_pretrained`, would fill the others with random values; tied weights need one of their names)."""
+    known = {name for name, _ in model.named_parameters(remove_duplicate=False)} | {n for n, _ in model.named_buffers()}
+    if set(entries) - known:
+        return  # other names: not ours to judge here (`from_pretrained` converts them, and reports what is missing)
+    ignored = getattr(model, "_keys_to_ignore_on_load_missing", None)
+    missing = unfilled(expected_parameters(model), set(entries), ignored)
+    if missing:
+        index = os.path.join(directory, "model.safetensors.index.json")
+        source = index if os.path.exists(index) else os.path.join(directory, "model.safetensors")
+        raise ExternalError(missing_tensors_message("teacher_model", source, missing))
+
+
 def loadable(directory: str, init_kwargs: dict) -> bool:
     """Whether `load_partitioned` applies: a local safetensors checkpoint and no quantization."""
     quantized = any(k in init_kwargs for k in ("quantization_config", "load_in_4bit", "load_in_8bit"))
@@ -112,7 +128,8 @@ def load_partitioned(directory: str, init_kwargs: dict):
     """Build the model under the selected ZeRO-3 plugin and fill each rank's partitions from the checkpoint.
 
     Returns None (nothing loaded) when the checkpoint's names or shapes do not match the model's parameters
-    exactly, so the caller can fall back to `from_pretrained`. Collective: every rank calls it.
+    exactly, so the caller can fall back to `from_pretrained`; raises `ExternalError` when its names are the
+    model's but some parameter has none (it would be left random). Collective: every rank calls it.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -126,6 +143,7 @@ def load_partitioned(directory: str, init_kwargs: dict):
     with partitioned_construction():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **model_kwargs)
     params = dict(model.named_parameters())  # tied weights appear once
+    _refuse_missing(directory, model, entries)
     shapes = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in params.items()}
     if any(name not in entries or tuple(entries[name][1]["shape"]) != shape for name, shape in shapes.items()):
         logger.info("Teacher checkpoint names/shapes differ from the model's parameters: loading with from_pretrained.")
