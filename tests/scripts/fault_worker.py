@@ -94,6 +94,9 @@ def main() -> None:
     kind, step, rank, record = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     cli_args = sys.argv[sys.argv.index("--") + 1:]
     how = {"stop": signal.SIGSTOP, "interrupt": signal.SIGINT}[kind]
+    # Ctrl-C as at a terminal: a process started in the background by a non-interactive shell (CI) inherits SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt handler of its own
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from transformers import TrainerCallback
 
     from trl_distill.cli import main as trl_distill

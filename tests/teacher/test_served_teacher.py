@@ -52,6 +52,6 @@ def test_settings_a_served_teacher_cannot_honour_are_refused(tmp_path, bad, mess
 
 def test_a_server_and_a_cache_together_are_refused(tiny_pair, tmp_path):
     args = DistillationConfig(output_dir=str(tmp_path / "out"), teacher_server="http://127.0.0.1:1",
-                              teacher_cache=str(tmp_path), report_to="none", use_cpu=True, bf16=False)
+                              teacher_cache=str(tmp_path / "cache"), report_to="none", use_cpu=True, bf16=False)
     with pytest.raises(ValueError, match="either --teacher_server .* or --teacher_cache"):
         DistillationTrainer(tiny_pair["student"], args=args, train_dataset=synthetic_prompt_completion(8))

@@ -21,7 +21,7 @@ ROWS = 24
 
 
 def run_config(tmp: Path, name: str, **overrides) -> DistillationConfig:
-    kwargs = dict(output_dir=str(tmp / name), per_device_train_batch_size=4, max_steps=4, logging_steps=1,
+    kwargs = dict(output_dir=str(tmp / "runs" / name), per_device_train_batch_size=4, max_steps=4, logging_steps=1,
                   learning_rate=2e-3, lr_scheduler_type="constant", seed=0, alpha=0.5, max_length=64, bf16=False,
                   gradient_checkpointing=False, report_to="none", disable_tqdm=True, save_strategy="no", use_cpu=True)
     return DistillationConfig(**{**kwargs, **overrides})

@@ -21,16 +21,17 @@ MARKER = "trl_distill_merge.json"
 
 
 def check_merge_output(output: str, adapter: str, base: str | None = None) -> list[str]:
-    """Refuse an `output` that is an existing file, the adapter or base directory (or lies inside or around
-    them), or a directory holding files no finished merge of ours wrote; returns the files of the previous merge
-    there (to replace), else ``[]``."""
+    """Refuse an `output` that is an existing file, the adapter or base directory (or holds them), or a directory
+    holding files no finished merge of ours wrote; returns the files of the previous merge there (to replace), else
+    ``[]``."""
     if os.path.exists(output) and not os.path.isdir(output):
         raise FileExistsError(f"--output: {output!r} is an existing file; pass a new directory for the merged model.")
     out = os.path.realpath(output)
     for what, given in (("the adapter (--adapter)", adapter), ("the base model", base)):
         if given and os.path.exists(given):
             read = os.path.realpath(given)
-            if out == read or out.startswith(read + os.sep) or read.startswith(out + os.sep):
+            # (a new directory inside the adapter's, like the example's OUT/merged, writes over nothing of it)
+            if out == read or read.startswith(out + os.sep):
                 raise FileExistsError(f"--output: {output!r} overlaps {what} {given!r}: the merge would write over "
                                       "what it reads. Pass a new directory.")
     if not os.path.isdir(output) or not os.listdir(output):
