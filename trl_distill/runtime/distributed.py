@@ -124,13 +124,17 @@ def _forget_single_process_state() -> None:
 def prepare_cpu_distributed_state(args) -> None:
     """Make DeepSpeed train on every launched process of a machine without GPU: set up a gloo `PartialState` and
     point `args` at it (`use_configured_state`). Call as its devices are set up (`DistillationConfig._setup_devices`
-    does). A no-op with a GPU or without DeepSpeed: DDP on CPU is the Trainer's own `use_cpu=True` path, which
-    `precision.settle_precision` takes on such a machine.
+    does). A no-op with a GPU; without DeepSpeed only the teardown at exit is registered (DDP on CPU is the Trainer's
+    own `use_cpu=True` path, which `precision.settle_precision` takes on such a machine).
 
     DeepSpeed needs this even with `use_cpu=True`: the Trainer's CPU branch would leave DeepSpeed's process group
     uninitialised until the first engine, so a teacher loaded under `zero.Init` would see a world size of 1.
     """
-    if has_accelerator() or not _deepspeed_requested(args):
+    if has_accelerator():
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        _destroy_at_exit()  # any CPU group, DDP's (gloo) too, is torn down at exit: else it may abort (-6) there
+    if not _deepspeed_requested(args):
         return
     _set_single_process_env()
     _forget_single_process_state()
