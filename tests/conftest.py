@@ -75,9 +75,25 @@ def served(tmp_path_factory) -> dict:
         yield {"url": url, **paths, "model": model, "tokenizer": tokenizer}
 
 
+@pytest.fixture(scope="session")
+def rollout_server(tmp_path_factory) -> dict:
+    """A real vLLM server of a tiny fp32 student, started as `trl-distill vllm-serve` starts one (weight-transfer
+    routes, our gloo engine), once per session; its weights are the trainers' to sync. The student has head_dim 32
+    (vLLM's CPU attention refuses 16) and shares the other tiny models' tokenizer. Returns ``{"url", "student"
+    (its directory), "tokenizer"}``. Skips, with the reason, where the venv is absent."""
+    if not (VLLM_VENV / "bin" / "python").exists():
+        pytest.skip(f"no vLLM venv at {VLLM_VENV}: run `make vllm-env` to run the rollout-server tests")
+    directory = tmp_path_factory.mktemp("rollout") / "student"
+    tokenizer = build_tokenizer()
+    build_tiny_model(tokenizer, "student", seed=1, hidden_size=64, num_attention_heads=2).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    with vllm_server(directory, name="student", rollout=True) as url:
+        yield {"url": url, "student": str(directory), "tokenizer": tokenizer}
+
+
 # Fixtures that launch several processes: a test using one is a multi-process test, marked or not
 MULTI_PROCESS_FIXTURES = {"zero2_zero3_runs", "lora_runs", "bf16_and_fp32_runs", "runs", "smoke", "step_runs",
-                          "served"}
+                          "served", "rollout_server"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -146,3 +146,29 @@ def test_every_compat_function_is_exercised_here():
               and not node.name.startswith("_")}
     mine = Path(__file__).read_text()
     assert sorted(name for name in public if f"compat.{name}(" not in mine and name != "partitioned_construction") == []
+
+
+def test_gloo_group_broadcasts_between_two_members_outside_the_default_group():
+    import threading
+    from datetime import timedelta
+
+    from trl_distill.testing import free_port
+
+    port, received = free_port(), {}
+    master = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=30),
+                                        wait_for_workers=False)
+
+    def member():
+        store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=30))
+        group = compat.gloo_group(store, 1, 2, 30)
+        tensor = torch.zeros(5)
+        group.broadcast(tensor, 0).wait()
+        received["tensor"] = tensor
+
+    thread = threading.Thread(target=member)
+    thread.start()
+    group = compat.gloo_group(master, 0, 2, 30)
+    group.broadcast(torch.arange(5.0), 0).wait()
+    thread.join(timeout=30)
+    assert received["tensor"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert not torch.distributed.is_initialized()  # the default group was never touched

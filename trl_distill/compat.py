@@ -176,3 +176,15 @@ def cpu_has_bf16_units() -> bool:
     False when this torch lacks the probes."""
     probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     return any(probe() for probe in probes if callable(probe))
+
+
+def gloo_group(store, rank: int, world_size: int, timeout_s: float):
+    """A gloo process group of its own over `store`, outside `torch.distributed`'s default group and its world
+    (`torch.distributed.ProcessGroupGloo`, undocumented but exported; its ``(store, rank, size, timeout)``
+    constructor checked on torch 2.13): the trainer's rank 0 with the rollout server's workers."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.ProcessGroupGloo(dist.PrefixStore("trl_distill_gloo", store), rank, world_size,
+                                 timedelta(seconds=timeout_s))

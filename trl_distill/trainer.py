@@ -150,6 +150,7 @@ class DistillationTrainer(SFTTrainer):
         try:
             return super().train(self.resume_point(resume_from_checkpoint), *args, **kwargs)
         finally:
+            self.sampler.close()  # the rollout server's connections
             self.run_lock.release()  # the run is over (at exit otherwise)
 
     def resume_point(self, resume_from_checkpoint: str | bool | None) -> str | bool | None:

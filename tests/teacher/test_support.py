@@ -36,6 +36,7 @@ YES = {
     ("cache", "off-policy"): "cache/test_teacher_cache.py::test_training_from_the_cache_follows_the_online_curve",
     ("cache", "gradient accumulation"): "teacher/test_served_training.py::test_accumulation_dataloader_workers_and_evaluation_against_the_live_server",
     ("cache", "LoRA"): "cache/test_teacher_cache.py::test_a_lora_student_from_the_cache_starts_where_the_full_student_does",
+    ("served (vLLM)", "on-policy"): "rollout/test_engine_rollouts.py::test_a_served_teacher_scores_the_rollouts",
     ("served (vLLM)", "off-policy"): "teacher/test_served_training.py::test_students_from_either_cache_and_from_the_live_server_get_the_same_losses",
     ("served (vLLM)", "eval"): "teacher/test_served_training.py::test_accumulation_dataloader_workers_and_evaluation_against_the_live_server",
     ("served (vLLM)", "gradient accumulation"): "teacher/test_served_training.py::test_accumulation_dataloader_workers_and_evaluation_against_the_live_server",

@@ -10,10 +10,12 @@ same and a resumed run draws what the uninterrupted one did. Teacher sampling un
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
 from ..compat import prepare_inputs
+from .engine_rollouts import EngineRollouts
 
 # The three sources of a step's completions
 DATASET, STUDENT, TEACHER = "dataset", "student", "teacher"
@@ -27,6 +29,17 @@ def completion_source(lmbda: float, seq_kd: bool, seed: int, step: int) -> str:
         if torch.rand((), generator=generator).item() < lmbda:
             return STUDENT
     return TEACHER if seq_kd else DATASET
+
+
+def prompts_of(batch: dict) -> list[torch.Tensor]:
+    """`split_prompts` of a batch, with one clear error for a row without a prompt."""
+    prompts = split_prompts(batch["input_ids"], batch["labels"], batch["attention_mask"])
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError(
+            "Sampled completions (lmbda > 0 or seq_kd) need prompts, and a row has none: every token carries loss. "
+            "Use a prompt-completion or conversational dataset (the completion / assistant turn is resampled)."
+        )
+    return prompts
 
 
 def split_prompts(input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
@@ -75,12 +88,7 @@ def sample_completions(model, batch: dict, generation_kwargs: dict, pad_id: int,
                        synced_gpus: bool, context=contextlib.nullcontext) -> tuple[dict, list[torch.Tensor]]:
     """Replace the batch's completions by ones `model` samples for its prompts; returns the new batch and the
     sampled completions. `context` wraps the generation (e.g. a PEFT model's `disable_adapter`)."""
-    prompts = split_prompts(batch["input_ids"], batch["labels"], batch["attention_mask"])
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError(
-            "Sampled completions (lmbda > 0 or seq_kd) need prompts, and a row has none: every token carries loss. "
-            "Use a prompt-completion or conversational dataset (the completion / assistant turn is resampled)."
-        )
+    prompts = prompts_of(batch)
     ids, mask = left_pad(prompts, pad_id)
     was_training = model.training
     model.eval()
@@ -95,11 +103,13 @@ def sample_completions(model, batch: dict, generation_kwargs: dict, pad_id: int,
 
 
 def refuse_zero3_student_sampling(args, student_plugin) -> None:
-    """Sampling from a ZeRO-3 student is not supported yet: one clear error before any engine is built."""
-    if args.lmbda > 0 and student_plugin is not None and student_plugin.zero_stage == 3:
+    """HF `generate` from a ZeRO-3 student is not supported: one clear error before any engine is built (the
+    rollout server samples any student: `use_vllm`)."""
+    if args.lmbda > 0 and not args.use_vllm and student_plugin is not None and student_plugin.zero_stage == 3:
         raise ValueError(
-            "On-policy distillation (lmbda > 0) with a ZeRO-3 student is not supported yet: sample from a ZeRO-2 "
-            "(or ZeRO-0/1) student, or set lmbda=0."
+            "On-policy distillation (lmbda > 0) with a ZeRO-3 student needs its completions from the rollout server: "
+            "pass --use_vllm with `trl-distill vllm-serve --model STUDENT` running, sample from a ZeRO-2 (or "
+            "ZeRO-0/1) student, or set lmbda=0."
         )
 
 
@@ -110,6 +120,8 @@ class CompletionSampler:
     def __init__(self, trainer):
         self.trainer = trainer
         self.stats = dict.fromkeys(("micro_steps", "on_policy", "rows", "tokens"), 0)
+        self.engine = EngineRollouts(trainer) if trainer.args.use_vllm else None  # the rollout server
+        self.since = time.perf_counter()  # the start of the span the next log covers
 
     @property
     def active(self) -> bool:
@@ -136,6 +148,12 @@ class CompletionSampler:
         kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=True, temperature=args.generation_temperature,
                       top_p=args.generation_top_p, top_k=args.generation_top_k, eos_token_id=sorted(eos_ids))
         processes = trainer.accelerator.num_processes
+        if source == STUDENT and self.engine is not None:
+            prompts = prompts_of(batch)
+            completions = self.engine.sample(prompts, sorted(eos_ids))
+            new_batch = completion_batch(prompts, completions, tokenizer.pad_token_id)
+            trainer.teacher.score_sampled(new_batch)
+            return new_batch, completions
         if source == STUDENT:
             model, context = trainer.accelerator.unwrap_model(trainer.model_wrapped), contextlib.nullcontext
             plugin = trainer.accelerator.state.deepspeed_plugin if trainer.is_deepspeed_enabled else None
@@ -144,14 +162,29 @@ class CompletionSampler:
             model, context, synced = trainer.teacher.generation(processes)
         new_batch, completions = sample_completions(model, batch, kwargs, tokenizer.pad_token_id, eos_ids, synced,
                                                     context)
-        return {k: v.to(batch["input_ids"].device) for k, v in new_batch.items()}, completions
+        new_batch = {k: v.to(batch["input_ids"].device) for k, v in new_batch.items()}
+        trainer.teacher.score_sampled(new_batch)
+        return new_batch, completions
 
     def log_into(self, logs: dict, accelerator, device) -> None:
         """Add the sampled share and length since the last log, summed over ranks (collective)."""
         if not self.active:
             return
-        stats = torch.tensor([float(v) for v in self.stats.values()], device=device)
-        micro_steps, on_policy, rows, tokens = accelerator.reduce(stats, reduction="sum").tolist()
+        engine = self.engine.take_stats() if self.engine is not None else []
+        span, self.since = time.perf_counter() - self.since, time.perf_counter()
+        stats = torch.tensor([float(v) for v in self.stats.values()] + engine + [span], device=device)
+        micro_steps, on_policy, rows, tokens, *engine, span = accelerator.reduce(stats, reduction="sum").tolist()
         logs["on_policy_fraction"] = on_policy / max(micro_steps, 1)
         logs["generated_length"] = tokens / max(rows, 1)
         self.stats = dict.fromkeys(self.stats, 0)
+        if engine:  # summed over ranks: the shares are of every rank's time together
+            generate, sync, rows, tokens, ended, logprob = engine
+            logs["rollout_generate_share"] = generate / max(span, 1e-9)
+            logs["rollout_sync_share"] = sync / max(span, 1e-9)
+            logs["rollout_tokens"] = tokens
+            logs["rollout_eos_rate"] = ended / max(rows, 1)
+            logs["rollout_engine_logprob"] = logprob / max(tokens, 1)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()

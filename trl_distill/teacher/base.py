@@ -111,6 +111,11 @@ class TeacherSource(ABC):
         """After each micro-batch's loss."""
         return None
 
+    def score_sampled(self, batch: dict) -> None:
+        """A batch whose completions were just sampled (on-policy, `seq_kd`) replaces the collated one: add what
+        this kind's collator would have added (a live teacher adds nothing: it runs on the batch itself)."""
+        return None
+
     def generation(self, num_processes: int) -> tuple[object, object, bool]:
         """``(model, context, synced_gpus)`` to sample completions from (`seq_kd`)."""
         raise ValueError(f"seq_kd samples completions from the teacher, and the teacher is {self.describe()}.")

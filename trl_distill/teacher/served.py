@@ -49,9 +49,6 @@ class ServedTeacher(TeacherSource):
     """
 
     refused = {
-        "on-policy": "On-policy (lmbda > 0) and sequence-level (seq_kd) distillation are not supported with "
-        "--teacher_server yet: they need the teacher on sampled completions. Set lmbda=0 and seq_kd=False, or load "
-        "the teacher with --teacher_model_name_or_path.",
         "packing": "A served teacher scores one unpacked row per example: set packing=False and padding_free=False "
         "with --teacher_server.",
         "cross-tokenizer": "A served teacher's top-k comes in the server's token ids, compared id by id with the "
@@ -80,6 +77,10 @@ class ServedTeacher(TeacherSource):
                              f"to prompt log-probs, and the top-k cannot be renormalised without the whole "
                              f"vocabulary); got --temperature {args.temperature}. Train at --temperature 1, or use "
                              "the local teacher (--teacher_model_name_or_path, or a cache written from it).")
+        if args.seq_kd:
+            raise ValueError("Sequence-level KD (seq_kd) samples from the teacher, which --teacher_server does not do "
+                             "yet: set seq_kd=False (on-policy lmbda > 0 works: the server scores the student's "
+                             "samples), or load the teacher with --teacher_model_name_or_path.")
         if args.teacher_server_top_k < 1 or args.teacher_server_concurrency < 1 or not args.teacher_server_timeout > 0:
             raise ValueError("teacher_server_top_k and teacher_server_concurrency must be >= 1 and "
                              f"teacher_server_timeout > 0; got {args.teacher_server_top_k}, "
@@ -109,6 +110,9 @@ class ServedTeacher(TeacherSource):
         error = type(failure) if failure is not None else TeacherServerError
         raise error(f"{message}{whose} Stopped at step {self.trainer.state.global_step + 1}: resume from the last "
                     "complete checkpoint with --resume_from_checkpoint true once the server is fixed.") from failure
+
+    def score_sampled(self, batch: dict) -> None:
+        batch[SIGNAL] = self.request(batch)  # the sampled rows' top-k, asked for at once
 
     def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> SparseRows:
         return SparseRows(extras)

@@ -8,26 +8,24 @@
 Temperature 1 only: vLLM's prompt log-probs are the raw model's whatever its ``--logprobs-mode`` (vLLM 0.32
 documents that its processed modes apply no sampling processor, temperature included, to prompt tokens), and the
 top-k alone cannot be renormalised at another temperature (that needs the whole vocabulary's mass).
-Requests time out and are retried with backoff; a server that stays unreachable, hangs or answers HTTP 5xx is one
-`TeacherServerError` naming it, never a hang, and one that answers something else than vLLM's reply (an HTML page,
-no or misshapen log-probs) is a `TeacherServerReplyError` naming what it sent: both are `errors.ExternalError`s, one
-line from the command line whenever they happen.
+Requests go over `runtime.http.JsonHttpClient` (a kept-alive connection per thread), time out and are retried with
+backoff; a server that stays unreachable, hangs or answers HTTP 5xx is one `TeacherServerError` naming it, never a
+hang, and one that answers something else than vLLM's reply (an HTML page, no or misshapen log-probs) is a
+`TeacherServerReplyError` naming what it sent: both are `errors.ExternalError`s, one line from the command line
+whenever they happen.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import threading
-import time
-import urllib.error
-import urllib.request
 
 import numpy as np
 import torch
 
 from ..errors import ExternalError
 from ..loss.sparse import SparseTeacherSignal
+from ..runtime.http import JsonHttpClient, excerpt
 
 
 class TeacherServerError(ExternalError, ConnectionError):
@@ -39,61 +37,23 @@ class TeacherServerReplyError(TeacherServerError, ValueError):
     log-probs): retrying would get the same. A `ValueError` too, so set-up reports it as bad input."""
 
 
-def excerpt(raw: bytes | str, limit: int = 160) -> str:
-    """The start of a reply on one line, for a message."""
-    text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
-    text = " ".join(text.split())
-    return repr(text if len(text) <= limit else text[:limit] + "...")
-
-
 class TeacherServerClient:
     """The teacher `model` served at `url` (e.g. ``http://host:8000``)."""
 
     def __init__(self, url: str, model: str, timeout: float = 60.0, retries: int = 3, backoff: float = 1.0):
-        self.url, self.model = url.rstrip("/"), model
-        self.timeout, self.retries, self.backoff = timeout, retries, backoff
+        self.http = JsonHttpClient(url, timeout, retries, backoff, what="The teacher server",
+                                   unreachable_error=TeacherServerError, reply_error=TeacherServerReplyError,
+                                   address_flag="--teacher_server", timeout_flag="--teacher_server_timeout")
+        self.url, self.model = self.http.url, model
 
     def _post(self, path: str, body: dict | None = None, stop: threading.Event | None = None) -> dict:
-        """POST `body` as JSON to `path` (GET without a body); the answer's JSON. A server that is down, resets
-        the connection, answers HTTP 5xx or not within `timeout` is tried again (`retries` times, with backoff),
-        unless `stop` is set meanwhile; one that refuses the request (4xx) or answers something else than JSON
-        is a `TeacherServerReplyError` at once."""
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + path, data, {"Content-Type": "application/json"})
-        failure, answered = None, False
-        for attempt in range(self.retries + 1):
-            if attempt and _wait(stop, self.backoff * 2 ** (attempt - 1)):
-                raise TeacherServerError(f"The request to the teacher server {self.url}{path} was cancelled.")
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    raw, kind = response.read(), response.headers.get_content_type()
-            except urllib.error.HTTPError as http_error:
-                detail = excerpt(http_error.read(), 500)
-                if http_error.code < 500:  # the request is wrong: retrying will not help
-                    raise TeacherServerReplyError(f"The teacher server {self.url} refused {path}: HTTP "
-                                                  f"{http_error.code}: {detail}") from None
-                failure, answered = f"HTTP {http_error.code} {http_error.reason} {detail}", True
-                continue
-            except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as error:
-                reason = getattr(error, "reason", error)
-                failure = ("timed out (accepted, no answer within --teacher_server_timeout)"
-                           if isinstance(reason, TimeoutError) else f"{type(reason).__name__}: {reason}")
-                answered = False
-                continue
-            try:
-                return json.loads(raw)
-            except ValueError:
-                raise TeacherServerReplyError(
-                    f"The teacher server {self.url} answered {path} with HTTP 200 but not JSON ({kind}: "
-                    f"{excerpt(raw)}): --teacher_server must be the address of the vLLM server itself "
-                    "(http://host:port, as `vllm serve` prints it), not a proxy, login or web page.") from None
-        if answered:
-            raise TeacherServerError(f"The teacher server {self.url} answered {path} with {failure} on all "
-                                     f"{self.retries + 1} attempts: it fails on this request (see its log); fix or "
-                                     "restart it.")
-        raise TeacherServerError(f"The teacher server {self.url} did not answer {path} after {self.retries + 1} "
-                                 f"attempts ({self.timeout:g} s timeout each): {failure}. Is `vllm serve` running "
-                                 "there? Check its log; raise --teacher_server_timeout if it is only slow.")
+        """POST `body` as JSON to `path` (GET without a body); the answer's JSON (`runtime.http.JsonHttpClient`:
+        retried with backoff, `stop` cancels the retries; a refusal or a reply that is not JSON raises at once)."""
+        return self.http.get(path, stop=stop) if body is None else self.http.post(path, body, stop)
+
+    def close(self) -> None:
+        """Close the kept-alive connections (the next request opens new ones)."""
+        self.http.close()
 
     def _field(self, out, key: str, path: str):
         """`out[key]`, or one line naming the server and what it answered instead."""
@@ -190,10 +150,3 @@ class TeacherServerClient:
         return SparseTeacherSignal(torch.from_numpy(top_ids), torch.from_numpy(top_log_probs).float(),
                                    torch.from_numpy(tail).float())
 
-
-def _wait(stop: threading.Event | None, seconds: float) -> bool:
-    """Sleep `seconds`; True, at once, if `stop` is set meanwhile."""
-    if stop is None:
-        time.sleep(seconds)
-        return False
-    return stop.wait(seconds)

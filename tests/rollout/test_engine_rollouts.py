@@ -1,0 +1,201 @@
+"""On-policy completions from a real vLLM server of the student (`use_vllm`): weights synced through vLLM's
+weight-transfer API over gloo, losses on the sampled rows against GKD's formula, resume, faults."""
+
+import pytest
+import torch
+
+from trl_distill import DistillationConfig, DistillationTrainer
+from trl_distill.rollout.engine_client import RolloutServerError, RolloutServerReplyError
+from trl_distill.rollout.on_policy import STUDENT
+from trl_distill.testing import free_port, logged, synthetic_prompt_completion, tiny_run_settings
+
+PROBE = "def probe(x):\n    return x + 1\n"
+
+
+def make_trainer(rollout_server, tiny_pair, tmp_path, **overrides):
+    settings = tiny_run_settings(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3,
+                                 save_strategy="no", use_cpu=True, max_new_tokens=8, lmbda=1.0, use_vllm=True,
+                                 vllm_server_base_url=rollout_server["url"], vllm_group_port=free_port(),
+                                 vllm_server_timeout=60)
+    settings.update(overrides)
+    return DistillationTrainer(rollout_server["student"], tiny_pair["teacher"], args=DistillationConfig(**settings),
+                               train_dataset=synthetic_prompt_completion(32),
+                               processing_class=rollout_server["tokenizer"])
+
+
+def token_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """The model's own log-prob of each token of `ids` after its prefix, from `model(...).logits` (fp32)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return logits.log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+
+
+class SyncProbe:
+    """After every weight sync: the server's log-probs of a probe against the trainer's student's, and the
+    server's weight version; every sampled completion, per step."""
+
+    def __init__(self, trainer):
+        engine, self.gaps, self.versions, self.sampled = trainer.sampler.engine, [], [], []
+        ids = trainer.processing_class(PROBE)["input_ids"]
+        push, sample = engine._push, engine.sample
+
+        def pushing(step):
+            push(step)
+            model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+            served = torch.tensor(engine.client.prompt_logprobs(ids))
+            self.gaps.append(float((served - token_logprobs(model, ids)).abs().max()))
+            self.versions.append((step, engine.client.weight_version()))
+
+        def sampling(prompts, eos_ids):
+            completions = sample(prompts, eos_ids)
+            self.sampled.append((trainer.state.global_step, [c.tolist() for c in completions]))
+            return completions
+
+        engine._push, engine.sample = pushing, sampling
+
+
+def test_weights_are_synced_every_step_and_the_server_then_computes_the_students_log_probs(
+        rollout_server, tiny_pair, tmp_path):
+    trainer = make_trainer(rollout_server, tiny_pair, tmp_path)
+    probe = SyncProbe(trainer)
+    trainer.train()
+    assert probe.versions == [(0, "0"), (1, "1"), (2, "2")]  # before the first rollout, then every step
+    assert max(probe.gaps) < 1e-4, probe.gaps
+    logs = [h for h in trainer.state.log_history if "rollout_tokens" in h]
+    assert len(logs) == 3 and all(h["on_policy_fraction"] == 1.0 for h in logs)
+    assert [h["rollout_tokens"] for h in logs] == [sum(map(len, rows)) for _, rows in probe.sampled]
+    assert all(0 < h["rollout_generate_share"] < 1 and 0 < h["rollout_sync_share"] < 1 for h in logs)
+    assert all(0 <= h["rollout_eos_rate"] <= 1 and h["rollout_engine_logprob"] < 0 for h in logs)
+
+
+def test_the_loss_on_engine_rollouts_is_gkds_and_the_engine_scores_them_as_the_student_does(
+        rollout_server, tiny_pair, tmp_path):
+    from trl.experimental.gkd import GKDTrainer
+
+    trainer = make_trainer(rollout_server, tiny_pair, tmp_path, divergence="jsd", beta=0.3, alpha=1.0,
+                           kd_temperature_scaling=False)
+    batch = next(iter(trainer.get_train_dataloader()))
+    batch, completions = trainer.sampler.sample(STUDENT, trainer._prepare_inputs(batch))
+    assert [c.tolist() for c in completions] == [  # only sampled tokens carry loss
+        row[row != -100].tolist() for row in batch["labels"]]
+    trainer.model.eval()
+    with torch.no_grad():
+        ours = trainer.compute_loss(trainer.model, batch)
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        student = trainer.model(**inputs).logits[:, :-1]
+        teacher = trainer.teacher.module(**inputs).logits[:, :-1]
+        theirs = GKDTrainer.generalized_jsd_loss(student, teacher, batch["labels"][:, 1:], beta=0.3, temperature=2.0)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    # the engine's log-probs of the sampled tokens are the trainer's student's (the mismatch is float noise)
+    _, _, rows, tokens, _, engine_sum = trainer.sampler.engine.take_stats()
+    trainer_sum = 0.0
+    for ids, mask, completion in zip(batch["input_ids"], batch["attention_mask"], completions):
+        trainer_sum += float(token_logprobs(trainer.model, ids[mask.bool()].tolist())[-len(completion):].sum())
+    assert rows == 4 and tokens == sum(len(c) for c in completions)
+    assert engine_sum / tokens == pytest.approx(trainer_sum / tokens, abs=1e-4)
+
+
+def test_a_resumed_run_samples_what_the_uninterrupted_one_did(rollout_server, tiny_pair, tmp_path):
+    full = make_trainer(rollout_server, tiny_pair, tmp_path / "full", max_steps=4, save_strategy="steps",
+                        save_steps=2)
+    full_probe = SyncProbe(full)
+    full.train()
+    resumed = make_trainer(rollout_server, tiny_pair, tmp_path / "resumed", max_steps=4, save_strategy="steps",
+                           save_steps=2)
+    resumed_probe = SyncProbe(resumed)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "out" / "checkpoint-2"))
+    assert [s for s, _ in resumed_probe.sampled] == [2, 3]
+    assert resumed_probe.sampled == full_probe.sampled[2:]
+    assert len({tuple(map(tuple, rows)) for _, rows in full_probe.sampled}) == 4  # each step samples anew
+    for key in ("loss", "kd_loss", "ce_loss"):
+        expected = {s: v for s, v in logged(full.state.log_history, key).items() if s > 2}
+        got = {s: v for s, v in logged(resumed.state.log_history, key).items() if s > 2}  # (1, 2: the checkpoint's)
+        assert got.keys() == expected.keys() == {3, 4}
+        for step in got:
+            assert got[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6)
+
+
+def test_a_server_that_is_down_is_one_line(tiny_pair, tmp_path, rollout_server):
+    trainer = make_trainer({**rollout_server, "url": f"http://127.0.0.1:{free_port()}"}, tiny_pair, tmp_path)
+    trainer.sampler.engine.client.http.backoff = 0.05
+    with pytest.raises(RolloutServerError, match=r"did not answer /v1/models after 4 attempts.*trl-distill "
+                                                 r"vllm-serve.*Stopped at step 1"):
+        trainer.train()
+
+
+def test_a_plain_vllm_server_without_weight_routes_is_refused(served, rollout_server, tiny_pair, tmp_path):
+    trainer = make_trainer({**rollout_server, "url": served["url"]}, tiny_pair, tmp_path)
+    with pytest.raises(RolloutServerReplyError, match="has no weight-transfer routes.*trl-distill vllm-serve"):
+        trainer.train()
+
+
+def test_colocate_is_one_line_naming_server_mode():
+    with pytest.raises(ValueError, match="vllm_mode='colocate'.*not importable.*Use vllm_mode='server'"):
+        DistillationConfig(output_dir="unused", use_vllm=True, vllm_mode="colocate", lmbda=1.0, report_to="none")
+    with pytest.raises(ValueError, match="lmbda=0 samples none"):
+        DistillationConfig(output_dir="unused", use_vllm=True, report_to="none")
+
+
+def test_a_student_of_another_tokenizer_than_the_servers_is_refused(rollout_server, tiny_pair, tmp_path,
+                                                                   other_teacher):
+    from transformers import AutoTokenizer
+
+    trainer = make_trainer(rollout_server, tiny_pair, tmp_path)
+    trainer.processing_class = AutoTokenizer.from_pretrained(other_teacher)
+    with pytest.raises(RolloutServerReplyError, match="tokenizes .* the student's tokenizer gives"):
+        trainer.train()
+
+
+def test_a_served_teacher_scores_the_rollouts(served, rollout_server, tmp_path):
+    """The student's rollouts from one vLLM server, the teacher's top-k on them from another: the loss equals the
+    sparse KD computed from the student's own logits and the teacher server's answer for the same rows."""
+    from tests.oracles import sparse_distillation_loss
+    from trl_distill.teacher.served import loss_rows
+
+    trainer = make_trainer(rollout_server, {"teacher": None}, tmp_path, teacher_server=served["url"], alpha=1.0,
+                           temperature=1.0, divergence="forward_kl", max_steps=2, max_length=64)
+    trainer.train()  # trains on the student's rollouts, each scored by the server
+    assert [h["on_policy_fraction"] for h in trainer.state.log_history if "kd_loss" in h] == [1.0, 1.0]
+    batch = next(iter(trainer.get_train_dataloader()))
+    batch, completions = trainer.sampler.sample(STUDENT, trainer._prepare_inputs(batch))
+    trainer.model.eval()
+    with torch.no_grad():
+        ours = trainer.compute_loss(trainer.model, dict(batch))
+        logits = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    rows, positions = loss_rows(batch)
+    signal = trainer.teacher.fetch(rows, positions)
+    mask = batch["labels"][:, 1:] != -100
+    assert int(mask.sum()) == sum(len(c) for c in completions) == signal.ids.shape[0]
+    student = logits[:, :-1][mask]
+    expected = sparse_distillation_loss(student, torch.eye(student.shape[1]), signal, loss_type="forward_kl").kd
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_server_dying_mid_run_stops_with_one_line_and_the_last_checkpoint_kept(tiny_pair, tmp_path):
+    """Its own server (the shared one must live on): killed after step 3 of 6, checkpoints every 2 steps."""
+    from transformers import TrainerCallback
+
+    from trl_distill.runtime.checkpoints import is_complete
+    from trl_distill.testing import SERVER_PIDS, build_tiny_model, build_tokenizer, kill_tree, vllm_server
+
+    tokenizer = build_tokenizer()
+    directory = tmp_path / "student"
+    build_tiny_model(tokenizer, "student", seed=1, hidden_size=64, num_attention_heads=2).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    with vllm_server(directory, name="student", rollout=True) as url:
+        server = {"url": url, "student": str(directory), "tokenizer": tokenizer}
+        trainer = make_trainer(server, tiny_pair, tmp_path, max_steps=6, save_strategy="steps", save_steps=2,
+                               vllm_server_timeout=20)
+        trainer.sampler.engine.client.http.backoff = 0.1
+
+        class KillAfterStep3(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == 3:
+                    kill_tree(SERVER_PIDS[url])
+
+        trainer.add_callback(KillAfterStep3())
+        with pytest.raises(RolloutServerError, match=r"The rollout server .* (did not answer|answered).*Stopped at "
+                                                     r"step 4: resume from the last complete checkpoint"):
+            trainer.train()
+    checkpoints = sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith("checkpoint-"))
+    assert checkpoints == ["checkpoint-2"] and is_complete(str(tmp_path / "out" / "checkpoint-2"))

@@ -1,0 +1,75 @@
+"""On two processes, with a ZeRO-3 teacher: the student's rollouts from the real vLLM server for a ZeRO-2, a ZeRO-3
+and a LoRA student; after the last sync the server computes what the saved student computes, and the first step's
+logged losses are the formula's on the rows each rank sampled."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from trl_distill.testing import free_port, launch, read_rank_records
+
+WORKER = Path(__file__).parents[1] / "scripts" / "engine_rollout_worker.py"
+PROBE = "def probe(x):\n    return x + 1\n"
+
+
+def first_step_losses(student, teacher, rows: list[dict], temperature=2.0, alpha=0.5) -> dict:
+    """Each rank's per-token means of T²·KL_T(teacher ‖ student) and CE on its sampled rows, from both models' own
+    logits, averaged over the ranks (each rank's loss is its micro-batch's token mean; DeepSpeed averages ranks)."""
+    kd, ce = [], []
+    for row in rows:
+        ids, mask, labels = (torch.tensor(row[k]) for k in ("input_ids", "attention_mask", "labels"))
+        with torch.no_grad():
+            s = student(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+            t = teacher(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        target = labels[:, 1:]
+        keep = target != -100
+        s, t = s[keep], t[keep]
+        p_log, q_log = (t / temperature).log_softmax(-1), (s / temperature).log_softmax(-1)
+        kd.append(float((p_log.exp() * (p_log - q_log)).sum(-1).mean()) * temperature**2)
+        ce.append(float(torch.nn.functional.cross_entropy(s, target[keep])))
+    kd, ce = sum(kd) / len(kd), sum(ce) / len(ce)
+    return {"kd_loss": kd, "ce_loss": ce, "loss": alpha * kd + (1 - alpha) * ce}
+
+
+def served_gap(client, model, ids: list[int]) -> float:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    ours = logits.log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+    return float((torch.tensor(client.prompt_logprobs(ids)) - ours).abs().max())
+
+
+@pytest.mark.parametrize("mode", ["zero2", "zero3_student", "lora"])
+def test_two_processes_roll_out_from_the_server_and_sync_every_student_kind(rollout_server, tiny_pair, tmp_path,
+                                                                            mode):
+    from trl_distill.rollout.engine_client import RolloutServerClient
+
+    launch(WORKER, rollout_server["student"], tiny_pair["teacher"], str(tmp_path), rollout_server["url"],
+           str(free_port()), mode, timeout=600)
+    ranks = read_rank_records(tmp_path / mode)
+    assert ranks[0]["versions"] == ["0", "1", "2"]  # synced before each step's rollouts
+    first = [r["sampled"]["1"] for r in ranks]
+    assert first[0]["input_ids"] != first[1]["input_ids"]  # each rank sampled its own rows
+    # the first step's losses: the formula on each rank's sampled rows, from the initial models' own logits
+    student = AutoModelForCausalLM.from_pretrained(rollout_server["student"]).eval()
+    if mode == "lora":  # the adapter starts non-zero (init_lora_weights=False): the worker's seed rebuilds it
+        student = None
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_pair["teacher"]).eval()
+    logs = {h["step"]: h for h in ranks[0]["log_history"] if "kd_loss" in h}
+    assert sorted(logs) == [1, 2, 3] and all(h["on_policy_fraction"] == 1.0 for h in logs.values())
+    if student is not None:
+        expected = first_step_losses(student, teacher, first)
+        for key, value in expected.items():
+            assert logs[1][key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    # the server holds step 2's weights (the last sync): those of checkpoint-2, as saved
+    saved = tmp_path / mode / "checkpoint-2"
+    if mode == "lora":
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(saved).merge_and_unload().eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(saved).eval()
+    client = RolloutServerClient(rollout_server["url"], timeout=60)
+    client.connect(rollout_server["tokenizer"])
+    assert served_gap(client, model, rollout_server["tokenizer"](PROBE)["input_ids"]) < 1e-4

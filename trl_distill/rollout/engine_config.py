@@ -1,0 +1,56 @@
+"""The fields of `DistillationConfig` that sample the student's completions with vLLM, with TRL's names
+(`trl.DistillationConfig` / `GRPOConfig` 1.16), and their checks."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineRolloutFields:
+    """On-policy completions (``lmbda > 0``) sampled by a vLLM server of the student instead of its HF `generate`."""
+
+    use_vllm: bool = field(default=False, metadata={
+        "help": "Sample the student's completions (lmbda > 0) from a vLLM server of the student (`trl-distill "
+        "vllm-serve --model STUDENT`) whose weights are synced from the trainer, instead of the student's HF "
+        "generate. Any teacher kind but a cache scores them."})
+    vllm_mode: str = field(default="server", metadata={
+        "help": "'server' (a vLLM server of the student, started with `trl-distill vllm-serve`) or 'colocate' "
+        "(vLLM inside the training processes; not available yet).", "choices": ["server", "colocate"]})
+    vllm_server_base_url: str | None = field(default=None, metadata={
+        "help": "Base URL of the rollout server (e.g. http://localhost:8000); when set, host and port are ignored."})
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Host of the rollout server."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "Port of the rollout server."})
+    vllm_server_timeout: float = field(default=240.0, metadata={
+        "help": "Seconds the rollout server may take to answer a request or a weight sync before training stops "
+        "with one line (the last complete checkpoint kept)."})
+    vllm_group_port: int = field(default=51216, metadata={
+        "help": "Port on the trainer's rank 0 for the weight-sync group with the server's workers (gloo on CPU)."})
+    vllm_sync_steps: int = field(default=1, metadata={
+        "help": "Sync the student's weights to the rollout server every this many optimizer steps (and before the "
+        "first rollout). A resumed run samples what the uninterrupted one did when it resumes at a multiple of it."})
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={
+        "help": "GPU memory share of a colocated vLLM engine (vllm_mode='colocate'); a server takes its own "
+        "(`trl-distill vllm-serve --gpu_memory_utilization`)."})
+
+
+def check_engine_args(args) -> None:
+    """One clear error for engine settings that cannot work, as the config is built."""
+    if not args.use_vllm:
+        return
+    if args.vllm_mode not in ("server", "colocate"):
+        raise ValueError(f"vllm_mode must be 'server' or 'colocate', got {args.vllm_mode!r}.")
+    if args.vllm_mode == "colocate":
+        where = ("vLLM is not importable in this Python (the CPU build pins an older transformers than "
+                 "trl_distill's)" if importlib.util.find_spec("vllm") is None else
+                 "trl_distill does not run a colocated engine yet")
+        raise ValueError(f"use_vllm with vllm_mode='colocate' needs vLLM inside the training processes, and "
+                         f"{where}. Use vllm_mode='server': start `trl-distill vllm-serve --model STUDENT` and pass "
+                         "--vllm_server_base_url http://HOST:8000.")
+    if args.lmbda == 0:
+        raise ValueError("use_vllm samples the student's completions, and lmbda=0 samples none: set lmbda > 0 "
+                         "(the share of steps distilled on the student's own samples), or drop use_vllm.")
+    if args.vllm_sync_steps < 1 or not args.vllm_server_timeout > 0:
+        raise ValueError(f"vllm_sync_steps must be >= 1 and vllm_server_timeout > 0; got {args.vllm_sync_steps}, "
+                         f"{args.vllm_server_timeout}.")

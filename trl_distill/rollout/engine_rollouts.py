@@ -1,0 +1,111 @@
+"""The student's on-policy completions sampled by the rollout server (``use_vllm``), its weights synced from the
+trainer before the first rollout and every `vllm_sync_steps` optimizer steps after (`weight_sync`).
+
+Each rank samples its own rows. A row's sampling seed is a pure function of ``(seed, step, rank, micro-batch,
+row)``, so a resumed run samples what the uninterrupted one did (the server holding the same weights: resume at a
+multiple of `vllm_sync_steps`). A fault on any rank (the server down, dying, answering nonsense, a sync failing)
+stops every rank with its one line; a sync that cannot finish is bounded by `vllm_server_timeout`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..errors import ExternalError
+from ..runtime.distributed import first_failure
+from .engine_client import RolloutServerClient, RolloutServerError, server_url
+from .weight_sync import EngineWeightSync
+
+
+def row_seed(seed: int, step: int, rank: int, micro: int, row: int) -> int:
+    """The sampling seed of one row: distinct per (step, rank, micro-batch, row), the same on resume."""
+    return (((seed * 1_000_003 + step) * 1_009 + rank) * 10_007 + micro) * 100_003 + row & (2**62 - 1)
+
+
+class EngineRollouts:
+    """A `DistillationTrainer`'s rollout server: `sample` returns each prompt's completion (token ids)."""
+
+    def __init__(self, trainer):
+        self.trainer, args = trainer, trainer.args
+        self.client = RolloutServerClient(server_url(args), timeout=args.vllm_server_timeout)
+        self.sync = None
+        self.synced_step = None  # the optimizer step whose weights the server holds
+        self.micro = (None, 0)  # (step, micro-batches sampled in it)
+        self.seconds = {"generate": 0.0, "sync": 0.0}
+        self.counts = {"rows": 0, "tokens": 0, "ended": 0, "logprob": 0.0}
+
+    def _stop(self, message: str | None, rank_error=None) -> None:
+        """Every rank at once: raise the lowest rank's fault (if any) with where to resume from."""
+        accelerator = self.trainer.accelerator
+        first = first_failure(message, accelerator)
+        if first is None:
+            return
+        rank, text = first
+        whose = "" if message is not None else f" (met by rank {rank}; every rank stopped)"
+        error = type(rank_error) if isinstance(rank_error, ExternalError) else RolloutServerError
+        raise error(f"{text}{whose} Stopped at step {self.trainer.state.global_step + 1}: resume from the last "
+                    "complete checkpoint with --resume_from_checkpoint true once the server is fixed.") from rank_error
+
+    def _guarded(self, action) -> None:
+        failure = None
+        try:
+            action()
+        except (ExternalError, ValueError) as error:
+            failure = error
+        self._stop(None if failure is None else str(failure), failure)
+
+    def _connect(self) -> None:
+        trainer = self.trainer
+        tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+        self._guarded(lambda: self.client.connect(tokenizer))
+        self.sync = EngineWeightSync(self.client, is_sender=trainer.accelerator.is_main_process,
+                                     group_port=trainer.args.vllm_group_port, timeout=trainer.args.vllm_server_timeout)
+        self._guarded(self.sync.connect)
+
+    def _push(self, step: int) -> None:
+        """The student's weights of `step` into the server (every rank takes part; a ZeRO-3 student gathers)."""
+        trainer = self.trainer
+        student = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+        self._guarded(lambda: self.sync.push(student, step))  # also the barrier: no rank samples stale weights
+        self.synced_step = step
+        self.seconds["sync"] += self.sync.take_seconds()
+
+    def sample(self, prompts: list[torch.Tensor], eos_ids: list[int]) -> list[torch.Tensor]:
+        """One completion per prompt, by the student as of this optimizer step (synced first when due)."""
+        trainer, args = self.trainer, self.trainer.args
+        step = trainer.state.global_step
+        if self.sync is None:
+            self._connect()
+        if self.synced_step is None or (step != self.synced_step and step % args.vllm_sync_steps == 0):
+            self._push(step)
+        micro = self.micro[1] if self.micro[0] == step else 0
+        self.micro = (step, micro + 1)
+        rank = trainer.accelerator.process_index
+        seeds = [row_seed(args.seed, step, rank, micro, row) for row in range(len(prompts))]
+        started, rollouts, failure = time.perf_counter(), [], None
+        try:
+            rollouts = self.client.sample([p.tolist() for p in prompts], seeds, max_tokens=args.max_new_tokens,
+                                          temperature=args.generation_temperature, top_p=args.generation_top_p,
+                                          top_k=args.generation_top_k, stop_token_ids=eos_ids)
+        except (ExternalError, ValueError) as error:
+            failure = error
+        self._stop(None if failure is None else str(failure), failure)
+        self.seconds["generate"] += time.perf_counter() - started
+        self.counts["rows"] += len(rollouts)
+        self.counts["tokens"] += sum(len(r.token_ids) for r in rollouts)
+        self.counts["ended"] += sum(r.ended for r in rollouts)
+        self.counts["logprob"] += sum(sum(r.logprobs) for r in rollouts)
+        device = prompts[0].device
+        return [torch.tensor(r.token_ids, dtype=prompts[0].dtype, device=device) for r in rollouts]
+
+    def take_stats(self) -> list[float]:
+        """``[generate s, sync s, rows, tokens, ended, sum of engine log-probs]`` since the last call, this rank."""
+        out = [self.seconds["generate"], self.seconds["sync"], *self.counts.values()]
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+        self.counts = dict.fromkeys(self.counts, 0) | {"logprob": 0.0}
+        return [float(v) for v in out]
+
+    def close(self) -> None:
+        self.client.close()
