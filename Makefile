@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup quickstart test test-fast lint bench-loss bench bench-cache bench-cross vllm-env clean
+.PHONY: setup quickstart test test-fast lint bench-loss bench bench-cache bench-cross bench-on-policy vllm-env clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,11 @@ bench: setup
 # bytes per token, step time, held-out quality gap; and the teacher served by vLLM (about 8 minutes on 2 idle cores)
 bench-cache: setup vllm-env
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/teacher_cache.py
+
+# On-policy KD with the student's rollouts from a vLLM server (use_vllm) vs its HF generate, 2 processes, two student
+# sizes, 64 and 256 new tokens (writes benchmarks/results/on_policy.{json,md} and its table in docs/benchmarks.md)
+bench-on-policy: setup vllm-env
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/on_policy.py
 
 # Step time of KD from a teacher with another tokenizer vs one with the student's, 2 processes (about 4 minutes)
 bench-cross: setup
