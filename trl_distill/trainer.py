@@ -228,6 +228,7 @@ class DistillationTrainer(SFTTrainer):
         """``alpha * KD + (1 - alpha) * CE`` over completion tokens, normalised like the HF Trainer's loss."""
         args = self.args
         extras = self.teacher.pop_batch(inputs)  # what the teacher's collator added; the student must not see it
+        correction = self.sampler.pop_correction(inputs)  # sampled by the rollout engine: its log-probs
         model_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
         target, mask = loss_tokens(inputs)
         # Sequence positions with a loss token in some row: the only ones either model projects (position t
@@ -238,9 +239,10 @@ class DistillationTrainer(SFTTrainer):
             self.settle_logit_paths(model, model_inputs, mask, extras)
         teacher = self.teacher.for_batch(model_inputs, extras, mask, keep)  # every rank: gathers are collective
         loss_fn = partial(self._fused_loss, teacher=teacher, target=target, mask=mask,
-                          num_items_in_batch=num_items_in_batch)
+                          num_items_in_batch=num_items_in_batch, correction=correction)
         kd, ce = model(**model_inputs, fused_distillation=loss_fn, loss_positions=keep)
         self.teacher.after_loss()
+        self.sampler.observe(correction)
         if args.kd_temperature_scaling:
             kd = kd * args.temperature**2
         loss = args.alpha * kd + (1.0 - args.alpha) * ce
@@ -267,7 +269,8 @@ class DistillationTrainer(SFTTrainer):
             for path in self.logit_paths:
                 print(path.describe(self.vocab_size, int(mask.shape[0] * mask.shape[1])), flush=True)
 
-    def _fused_loss(self, student: LossFeatures, *, teacher: TeacherBatch, target, mask, num_items_in_batch):
+    def _fused_loss(self, student: LossFeatures, *, teacher: TeacherBatch, target, mask, num_items_in_batch,
+                    correction=None):
         """Runs inside the student's forward: both lm_heads (or the student's and the teacher's signal), a chunk of
         completion rows at a time; a model on the exact path hands its own logits instead."""
         s_flat, rows, labels = select_loss_rows(student.states, mask, target.clamp(min=0))
@@ -275,7 +278,7 @@ class DistillationTrainer(SFTTrainer):
         settings = self.loss_settings
         with gathered(*(p for head in heads for p in head.params)):
             signal = teacher.signal(rows, len(labels), settings)
-            return fused_loss(s_flat, student.head, signal, settings, rows, labels, num_items_in_batch)
+            return fused_loss(s_flat, student.head, signal, settings, rows, labels, num_items_in_batch, correction)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = compat.prepare_inputs(self, inputs)

@@ -47,9 +47,9 @@ class SyncProbe:
             self.versions.append((step, engine.client.weight_version()))
 
         def sampling(prompts, eos_ids):
-            completions = sample(prompts, eos_ids)
+            completions, logprobs = sample(prompts, eos_ids)
             self.sampled.append((trainer.state.global_step, [c.tolist() for c in completions]))
-            return completions
+            return completions, logprobs
 
         engine._push, engine.sample = pushing, sampling
 
@@ -66,6 +66,7 @@ def test_weights_are_synced_every_step_and_the_server_then_computes_the_students
     assert [h["rollout_tokens"] for h in logs] == [sum(map(len, rows)) for _, rows in probe.sampled]
     assert all(0 < h["rollout_generate_share"] < 1 and 0 < h["rollout_sync_share"] < 1 for h in logs)
     assert all(0 <= h["rollout_eos_rate"] <= 1 and h["rollout_engine_logprob"] < 0 for h in logs)
+    assert all(h["rollout_logprob_abs_diff"] < 1e-4 and abs(h["rollout_kl_engine_trainer"]) < 1e-4 for h in logs)
 
 
 def test_the_loss_on_engine_rollouts_is_gkds_and_the_engine_scores_them_as_the_student_does(
@@ -87,12 +88,13 @@ def test_the_loss_on_engine_rollouts_is_gkds_and_the_engine_scores_them_as_the_s
         theirs = GKDTrainer.generalized_jsd_loss(student, teacher, batch["labels"][:, 1:], beta=0.3, temperature=2.0)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     # the engine's log-probs of the sampled tokens are the trainer's student's (the mismatch is float noise)
-    _, _, rows, tokens, _, engine_sum = trainer.sampler.engine.take_stats()
+    _, _, rows, tokens, _, engine_sum, abs_gap, _, scored = trainer.sampler.engine.take_stats()
     trainer_sum = 0.0
     for ids, mask, completion in zip(batch["input_ids"], batch["attention_mask"], completions):
         trainer_sum += float(token_logprobs(trainer.model, ids[mask.bool()].tolist())[-len(completion):].sum())
     assert rows == 4 and tokens == sum(len(c) for c in completions)
     assert engine_sum / tokens == pytest.approx(trainer_sum / tokens, abs=1e-4)
+    assert scored == tokens and abs_gap / scored < 1e-4  # the loss measured the same gap, token by token
 
 
 def test_a_resumed_run_samples_what_the_uninterrupted_one_did(rollout_server, tiny_pair, tmp_path):
@@ -199,3 +201,33 @@ def test_a_server_dying_mid_run_stops_with_one_line_and_the_last_checkpoint_kept
             trainer.train()
     checkpoints = sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith("checkpoint-"))
     assert checkpoints == ["checkpoint-2"] and is_complete(str(tmp_path / "out" / "checkpoint-2"))
+
+
+def test_self_distillation_of_a_lora_student_rolls_out_its_merged_weights(rollout_server, tmp_path):
+    """teacher 'self' (the base, adapters off) scores rollouts of the LoRA student, whose merged weights (base +
+    a non-zero adapter delta) the server holds after every sync."""
+    from peft import LoraConfig
+
+    settings = tiny_run_settings(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=2,
+                                 save_strategy="no", use_cpu=True, max_new_tokens=8, lmbda=1.0, use_vllm=True,
+                                 vllm_server_base_url=rollout_server["url"], vllm_group_port=free_port(),
+                                 vllm_server_timeout=60, learning_rate=1e-2)
+    trainer = DistillationTrainer(rollout_server["student"], "self", args=DistillationConfig(**settings),
+                                  train_dataset=synthetic_prompt_completion(32),
+                                  processing_class=rollout_server["tokenizer"],
+                                  peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                         init_lora_weights=False))
+    probe = SyncProbe(trainer)
+    trainer.train()
+    assert probe.versions == [(0, "0"), (1, "1")] and max(probe.gaps) < 1e-4, probe.gaps
+    assert all(h["kd_loss"] > 0 for h in trainer.state.log_history if "kd_loss" in h)  # the adapter moved it
+
+
+def test_a_teacher_of_another_tokenizer_scores_the_servers_rollouts(rollout_server, other_teacher, tmp_path):
+    trainer = make_trainer(rollout_server, {"teacher": other_teacher}, tmp_path, max_steps=2, alpha=1.0)
+    counted, release = [], trainer.teacher.release
+    trainer.teacher.release = lambda: (counted.append(dict(trainer.teacher.sampled_rows)), release())
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "kd_loss" in h]
+    assert len(logs) == 2 and all(h["kd_loss"] > 0 and h["on_policy_fraction"] == 1.0 for h in logs)
+    assert counted[0]["rows"] == 8 and counted[0]["unaligned"] == 0  # 2 steps x 4 sampled rows, all aligned

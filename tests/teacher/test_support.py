@@ -42,6 +42,7 @@ YES = {
     ("served (vLLM)", "gradient accumulation"): "teacher/test_served_training.py::test_accumulation_dataloader_workers_and_evaluation_against_the_live_server",
     ("served (vLLM)", "LoRA"): "teacher/test_served_training.py::test_a_lora_student_against_the_server_starts_where_the_full_student_does",
     ("cross-tokenizer", "off-policy"): "cross_tokenizer/test_cross_tokenizer_training.py::test_another_tokenizer_switches_on_by_itself_and_the_fused_kd_is_the_models_own",
+    ("cross-tokenizer", "on-policy"): "cross_tokenizer/test_sampled.py::test_an_on_policy_batch_is_scored_on_the_models_own_logits",
     ("cross-tokenizer", "eval"): "teacher/test_support.py::test_cross_tokenizer_evaluation_scores_the_first_training_step",
     ("cross-tokenizer", "gradient accumulation"): "cross_tokenizer/test_cross_tokenizer_training.py::test_two_processes_with_a_zero3_teacher_of_another_tokenizer",
     ("cross-tokenizer", "LoRA"): "cross_tokenizer/test_cross_tokenizer_training.py::test_a_lora_student_and_a_resumed_run_across_tokenizers",

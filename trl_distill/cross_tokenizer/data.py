@@ -95,3 +95,18 @@ def align_example(example: dict, student_tokenizer, teacher_tokenizer) -> Aligne
     if not groups:
         return None
     return AlignedRow(s_ids, t_ids, [g.student[0] - 1 for g in groups], [g.teacher[0] - 1 for g in groups], groups)
+
+
+def teacher_prompt_ids(example: dict, teacher_tokenizer) -> list[int]:
+    """The teacher's own tokens of `example`'s prompt (its rendering up to the first completion character), for
+    completions sampled later (`sampled`); empty when a token of its rendering crosses the prompt's end."""
+    rendered = render(example, teacher_tokenizer)
+    if rendered is None or not rendered[1]:
+        return []
+    text, spans, chat = rendered
+    ids, offsets = _tokenize(teacher_tokenizer, text, chat)
+    cut = spans[0][0]
+    first = next((i for i, (a, b) in enumerate(offsets) if b > cut and b > a), len(ids))
+    if first < len(ids) and offsets[first][0] < cut:
+        return []
+    return ids[:first]

@@ -20,6 +20,7 @@ from ..model.fused_forward import LMHead, finalise_logits
 from .divergences import DIVERGENCES, at_temperature, check_divergence, normalise_sum
 
 if TYPE_CHECKING:
+    from .rollout_correction import RolloutCorrection
     from .signal import TeacherSignal
 
 __all__ = ["DenseTeacherSignal", "DistillationLossOutput", "LossSettings", "chunked_distillation_loss",
@@ -75,15 +76,21 @@ class DistillationLossOutput(NamedTuple):
     ce: Tensor | None
 
 
-def _forward_kl_closed_form(s_logits: Tensor, t_logp: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """Σ_rows KL(p ‖ q) and its gradient w.r.t. ``s_logits``, (q − p) / T, without autograd (autograd: q·Σp − p).
+def _forward_kl_closed_form(s_logits: Tensor, t_logp: Tensor, temperature: float,
+                            weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Σ_rows w·KL(p ‖ q) and its gradient w.r.t. ``s_logits``, w·(q − p) / T, without autograd (autograd: q·Σp − p);
+    ``weights`` None: w = 1.
 
     Overwrites ``t_logp``; allocates no ``[c, V]`` temporaries beyond ``log q`` and ``p``."""
     s_logp = F.log_softmax(at_temperature(s_logits, temperature), dim=-1)
     p = t_logp.exp()
     diff = t_logp.sub_(s_logp)  # log p − log q
     grad = s_logp.exp_().sub_(p)  # q − p
-    kd = diff.mul_(p).sum()
+    if weights is None:
+        kd = diff.mul_(p).sum()
+    else:
+        kd = (diff.mul_(p).sum(-1) * weights).sum()
+        grad.mul_(weights[:, None])
     return kd, grad if temperature == 1.0 else grad.div_(temperature)
 
 
@@ -159,6 +166,7 @@ class _ChunkedDistillation(torch.autograd.Function):
         vocab: int,  # the first `vocab` logits are compared
         chunk_size: int,
         grad_enabled: bool,  # the caller's grad mode (needs_input_grad ignores it)
+        correction: RolloutCorrection | None,  # the rollout engine's log-probs of the rows' tokens (with labels)
     ) -> tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)
         h_s = s_hidden if rows is None else s_hidden.index_select(0, rows)
@@ -198,9 +206,13 @@ class _ChunkedDistillation(torch.autograd.Function):
             with torch.set_grad_enabled(want_grad):
                 raw.requires_grad_(want_grad)
                 logits = finalise_logits(raw, scale, softcap)
+                w = None  # per-row weights (an importance-sampling correction of rollouts), else 1
+                if correction is not None and has_ce:
+                    with torch.no_grad():
+                        w = correction.weights(rows_c, -F.cross_entropy(logits, labels[rows_c], reduction="none"))
                 if closed_form:
                     with torch.no_grad():
-                        kd, g = _forward_kl_closed_form(logits[:, :vocab], signal, temperature)
+                        kd, g = _forward_kl_closed_form(logits[:, :vocab], signal, temperature, w)
                         g = g if vocab == g_cols else F.pad(g, (0, g_cols - vocab))  # padded columns: 0
                     if logits is not raw:  # chain through scale/softcap
                         (g,) = torch.autograd.grad(logits, raw, g, retain_graph=ce_grad)
@@ -208,12 +220,14 @@ class _ChunkedDistillation(torch.autograd.Function):
                 else:
                     with torch.set_grad_enabled(want_grad and kd_grad):
                         s_logp = F.log_softmax(at_temperature(logits[:, :vocab], temperature), dim=-1)
-                        kd = teacher.per_token(s_logp, signal, settings).sum()
+                        kd = teacher.per_token(s_logp, signal, settings)
+                        kd = kd.sum() if w is None else (kd * w).sum()
                     outputs = [(kd, gh_kd, gw_kd, gb_kd)] if want_grad and kd_grad else []
                 del signal
                 if has_ce:
                     with torch.set_grad_enabled(want_grad and ce_grad):
-                        ce = F.cross_entropy(logits, labels[rows_c], reduction="sum")
+                        ce = F.cross_entropy(logits, labels[rows_c], reduction="sum" if w is None else "none")
+                        ce = ce if w is None else (ce * w).sum()
                     if want_grad and ce_grad:
                         outputs.append((ce, gh_ce, gw_ce, gb_ce))
             kd_sum += kd.detach()
@@ -253,7 +267,7 @@ class _ChunkedDistillation(torch.autograd.Function):
         grad_h = combine(gh_kd, gh_ce)
         if grad_h is not None and rows is not None:
             grad_h = grad_h.new_zeros(ctx.hidden_shape).index_copy_(0, rows, grad_h)
-        return grad_h, combine(gw_kd, gw_ce), combine(gb_kd, gb_ce), *([None] * 9)
+        return grad_h, combine(gw_kd, gw_ce), combine(gb_kd, gb_ce), *([None] * 10)
 
 
 def select_loss_rows(
@@ -287,12 +301,15 @@ def fused_loss(
     rows: Tensor | None,
     labels: Tensor | None = None,
     num_items_in_batch: int | Tensor | None = None,
+    correction: RolloutCorrection | None = None,
 ) -> DistillationLossOutput:
     """KD (and CE with ``labels``) over the selected ``rows`` of ``student_states`` ``[N, F]``, a chunk at a time.
 
     ``student_head`` projects the states to logits (None: the states are the student's logits); ``teacher`` is a
     signal over the same rows, in order (`DenseTeacherSignal`, `sparse_losses.SparseSignalChunks`). Both terms are
     sums over the rows / ``num_items_in_batch`` (else / the row count), in >= fp32, without T² scaling.
+    ``correction`` (rows sampled by a rollout engine, with ``labels``): records each row's trainer-vs-engine
+    log-prob gap and, with its cap, weights each row's KD and CE (`loss.rollout_correction`).
     """
     v_s, h_dim = head_shape(student_states, student_head)
     if student_states.shape[-1] != h_dim:
@@ -302,10 +319,13 @@ def fused_loss(
         raise ValueError(f"vocab_size={vocab} must be in [1, the student's vocabulary {v_s}].")
     n = student_states.shape[0] if rows is None else rows.numel()
     chunk = min(settings.chunk_size or default_chunk_size(v_s), max(n, 1))
+    if correction is not None and correction.engine.numel() != n:
+        raise ValueError(f"The rollout engine scored {correction.engine.numel()} sampled tokens, the loss selects {n}: "
+                         "the batch's completions are not the ones the engine sampled.")
     weight = None if student_head is None else student_head.weight
     bias = None if student_head is None else student_head.bias
     kd_sum, ce_sum = _ChunkedDistillation.apply(student_states, weight, bias, rows, labels, teacher, settings,
-                                                student_head, vocab, chunk, torch.is_grad_enabled())
+                                                student_head, vocab, chunk, torch.is_grad_enabled(), correction)
     kd = normalise_sum(kd_sum, n, num_items_in_batch)
     ce = normalise_sum(ce_sum, n, num_items_in_batch) if labels is not None else None
     return DistillationLossOutput(kd, ce)

@@ -30,6 +30,12 @@ class EngineRolloutFields:
     vllm_sync_steps: int = field(default=1, metadata={
         "help": "Sync the student's weights to the rollout server every this many optimizer steps (and before the "
         "first rollout). A resumed run samples what the uninterrupted one did when it resumes at a multiple of it."})
+    vllm_importance_sampling_correction: bool = field(default=False, metadata={
+        "help": "Weight each sampled token's KD and CE by min(π_trainer / π_engine, vllm_importance_sampling_clip_max) "
+        "(detached, at temperature 1): corrects for rollouts sampled by an engine whose numerics differ from the "
+        "trainer's (bf16 kernels). The gap is logged either way (rollout_logprob_abs_diff)."})
+    vllm_importance_sampling_clip_max: float = field(default=3.0, metadata={
+        "help": "Upper bound of the importance-sampling weights (TRL's GRPO name)."})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={
         "help": "GPU memory share of a colocated vLLM engine (vllm_mode='colocate'); a server takes its own "
         "(`trl-distill vllm-serve --gpu_memory_utilization`)."})
@@ -51,6 +57,9 @@ def check_engine_args(args) -> None:
     if args.lmbda == 0:
         raise ValueError("use_vllm samples the student's completions, and lmbda=0 samples none: set lmbda > 0 "
                          "(the share of steps distilled on the student's own samples), or drop use_vllm.")
+    if not args.vllm_importance_sampling_clip_max > 0:
+        raise ValueError("vllm_importance_sampling_clip_max must be > 0, got "
+                         f"{args.vllm_importance_sampling_clip_max}.")
     if args.vllm_sync_steps < 1 or not args.vllm_server_timeout > 0:
         raise ValueError(f"vllm_sync_steps must be >= 1 and vllm_server_timeout > 0; got {args.vllm_sync_steps}, "
                          f"{args.vllm_server_timeout}.")

@@ -18,6 +18,10 @@ from ..runtime.distributed import first_failure
 from .engine_client import RolloutServerClient, RolloutServerError, server_url
 from .weight_sync import EngineWeightSync
 
+# What `take_stats` counts: rows and tokens sampled, rows ended by EOS, the sum of the engine's log-probs of the
+# sampled tokens; then (from the loss) the sums of |gap| and gap (trainer − engine log-prob) and the tokens scored.
+COUNTS = ("rows", "tokens", "ended", "logprob", "abs_gap", "gap", "scored")
+
 
 def row_seed(seed: int, step: int, rank: int, micro: int, row: int) -> int:
     """The sampling seed of one row: distinct per (step, rank, micro-batch, row), the same on resume."""
@@ -34,7 +38,7 @@ class EngineRollouts:
         self.synced_step = None  # the optimizer step whose weights the server holds
         self.micro = (None, 0)  # (step, micro-batches sampled in it)
         self.seconds = {"generate": 0.0, "sync": 0.0}
-        self.counts = {"rows": 0, "tokens": 0, "ended": 0, "logprob": 0.0}
+        self.counts = dict.fromkeys(COUNTS, 0.0)
 
     def _stop(self, message: str | None, rank_error=None) -> None:
         """Every rank at once: raise the lowest rank's fault (if any) with where to resume from."""
@@ -72,8 +76,9 @@ class EngineRollouts:
         self.synced_step = step
         self.seconds["sync"] += self.sync.take_seconds()
 
-    def sample(self, prompts: list[torch.Tensor], eos_ids: list[int]) -> list[torch.Tensor]:
-        """One completion per prompt, by the student as of this optimizer step (synced first when due)."""
+    def sample(self, prompts: list[torch.Tensor], eos_ids: list[int]) -> tuple[list[torch.Tensor], list[list[float]]]:
+        """One completion per prompt, by the student as of this optimizer step (synced first when due), and the
+        engine's log-prob of each of its tokens."""
         trainer, args = self.trainer, self.trainer.args
         step = trainer.state.global_step
         if self.sync is None:
@@ -98,13 +103,14 @@ class EngineRollouts:
         self.counts["ended"] += sum(r.ended for r in rollouts)
         self.counts["logprob"] += sum(sum(r.logprobs) for r in rollouts)
         device = prompts[0].device
-        return [torch.tensor(r.token_ids, dtype=prompts[0].dtype, device=device) for r in rollouts]
+        return [torch.tensor(r.token_ids, dtype=prompts[0].dtype, device=device) for r in rollouts], [
+            r.logprobs for r in rollouts]
 
     def take_stats(self) -> list[float]:
-        """``[generate s, sync s, rows, tokens, ended, sum of engine log-probs]`` since the last call, this rank."""
-        out = [self.seconds["generate"], self.seconds["sync"], *self.counts.values()]
+        """``[generate s, sync s, *COUNTS]`` since the last call, on this rank."""
+        out = [self.seconds["generate"], self.seconds["sync"], *(self.counts[k] for k in COUNTS)]
         self.seconds = dict.fromkeys(self.seconds, 0.0)
-        self.counts = dict.fromkeys(self.counts, 0) | {"logprob": 0.0}
+        self.counts = dict.fromkeys(COUNTS, 0.0)
         return [float(v) for v in out]
 
     def close(self) -> None:

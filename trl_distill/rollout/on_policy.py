@@ -15,7 +15,18 @@ import time
 import torch
 
 from ..compat import prepare_inputs
+from ..loss.rollout_correction import RolloutCorrection
 from .engine_rollouts import EngineRollouts
+
+ROLLOUT = "rollout_logprobs"  # a batch key: the engine's log-probs of its sampled tokens (an `EngineLogprobs`)
+
+
+class EngineLogprobs:
+    """The engine's log-prob of every sampled token of a batch, row after row (the loss's row order). Opaque: the
+    Trainer's `_prepare_inputs` would cast a float tensor to the DeepSpeed dtype."""
+
+    def __init__(self, values: torch.Tensor):
+        self.values = values
 
 # The three sources of a step's completions
 DATASET, STUDENT, TEACHER = "dataset", "student", "teacher"
@@ -150,9 +161,10 @@ class CompletionSampler:
         processes = trainer.accelerator.num_processes
         if source == STUDENT and self.engine is not None:
             prompts = prompts_of(batch)
-            completions = self.engine.sample(prompts, sorted(eos_ids))
+            completions, logprobs = self.engine.sample(prompts, sorted(eos_ids))
             new_batch = completion_batch(prompts, completions, tokenizer.pad_token_id)
-            trainer.teacher.score_sampled(new_batch)
+            new_batch[ROLLOUT] = EngineLogprobs(torch.tensor([x for row in logprobs for x in row]))
+            trainer.teacher.score_sampled(new_batch, batch)
             return new_batch, completions
         if source == STUDENT:
             model, context = trainer.accelerator.unwrap_model(trainer.model_wrapped), contextlib.nullcontext
@@ -163,8 +175,24 @@ class CompletionSampler:
         new_batch, completions = sample_completions(model, batch, kwargs, tokenizer.pad_token_id, eos_ids, synced,
                                                     context)
         new_batch = {k: v.to(batch["input_ids"].device) for k, v in new_batch.items()}
-        trainer.teacher.score_sampled(new_batch)
+        trainer.teacher.score_sampled(new_batch, batch)
         return new_batch, completions
+
+    def pop_correction(self, inputs: dict) -> RolloutCorrection | None:
+        """The engine's log-probs of a sampled batch, for the loss to measure (and, if asked, correct) the gap."""
+        held = inputs.pop(ROLLOUT, None)
+        if held is None:
+            return None
+        args = self.trainer.args
+        return RolloutCorrection(held.values, args.vllm_importance_sampling_clip_max
+                                 if args.vllm_importance_sampling_correction else None)
+
+    def observe(self, correction: RolloutCorrection | None) -> None:
+        """After the loss: count the trainer-vs-engine log-prob gaps it recorded."""
+        if correction is not None and self.engine is not None:
+            self.engine.counts["abs_gap"] += float(correction.gap.abs().sum())
+            self.engine.counts["gap"] += float(correction.gap.sum())
+            self.engine.counts["scored"] += correction.gap.numel()
 
     def log_into(self, logs: dict, accelerator, device) -> None:
         """Add the sampled share and length since the last log, summed over ranks (collective)."""
@@ -178,12 +206,14 @@ class CompletionSampler:
         logs["generated_length"] = tokens / max(rows, 1)
         self.stats = dict.fromkeys(self.stats, 0)
         if engine:  # summed over ranks: the shares are of every rank's time together
-            generate, sync, rows, tokens, ended, logprob = engine
+            generate, sync, rows, tokens, ended, logprob, abs_gap, gap, scored = engine
             logs["rollout_generate_share"] = generate / max(span, 1e-9)
             logs["rollout_sync_share"] = sync / max(span, 1e-9)
             logs["rollout_tokens"] = tokens
             logs["rollout_eos_rate"] = ended / max(rows, 1)
             logs["rollout_engine_logprob"] = logprob / max(tokens, 1)
+            logs["rollout_logprob_abs_diff"] = abs_gap / max(scored, 1)  # mean |log π_train − log π_engine|
+            logs["rollout_kl_engine_trainer"] = -gap / max(scored, 1)  # KL(π_engine ‖ π_train), sampled
 
     def close(self) -> None:
         if self.engine is not None:

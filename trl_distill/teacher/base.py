@@ -111,9 +111,10 @@ class TeacherSource(ABC):
         """After each micro-batch's loss."""
         return None
 
-    def score_sampled(self, batch: dict) -> None:
-        """A batch whose completions were just sampled (on-policy, `seq_kd`) replaces the collated one: add what
-        this kind's collator would have added (a live teacher adds nothing: it runs on the batch itself)."""
+    def score_sampled(self, batch: dict, source: dict | None = None) -> None:
+        """A batch whose completions were just sampled (on-policy, `seq_kd`) replaces the collated one, `source`
+        (its prompts): add what this kind's collator would have added (a live teacher adds nothing: it runs on the
+        batch itself)."""
         return None
 
     def generation(self, num_processes: int) -> tuple[object, object, bool]:

@@ -16,7 +16,8 @@ import logging
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from ..cross_tokenizer.data import align_example
+from ..cross_tokenizer.data import align_example, teacher_prompt_ids
+from ..cross_tokenizer.sampled import align_sampled
 from ..cross_tokenizer.loss import CrossTokenizerLoss, divergence_at_temperature
 from ..cross_tokenizer.vocabulary import shared_vocabulary
 from ..loss.divergences import at_temperature
@@ -26,9 +27,9 @@ from .live import LiveTeacher
 
 logger = logging.getLogger(__name__)
 
-TEACHER_IDS = "teacher_input_ids"
+TEACHER_IDS, TEACHER_PROMPT = "teacher_input_ids", "teacher_prompt_ids"
 STUDENT_POSITIONS, TEACHER_POSITIONS = "cross_student_positions", "cross_teacher_positions"
-COLUMNS = (TEACHER_IDS, STUDENT_POSITIONS, TEACHER_POSITIONS)
+COLUMNS = (TEACHER_IDS, STUDENT_POSITIONS, TEACHER_POSITIONS, TEACHER_PROMPT)
 _BATCH = "cross_tokenizer_batch"
 
 
@@ -41,13 +42,21 @@ class CrossTokenizerTeacher(LiveTeacher):
     models on the aligned groups (`cross_tokenizer.loss.CrossTokenizerLoss`). Runs once per micro-batch."""
 
     columns = COLUMNS
-    refused = {"on-policy": _REFUSAL.format("lmbda > 0 / seq_kd"),
-               "packing": _REFUSAL.format("packing / padding_free")}
+    refused = {"packing": _REFUSAL.format("packing / padding_free")}
 
     def __init__(self, source, init_kwargs: dict | None, student_tokenizer, teacher_tokenizer, args):
         super().__init__(source, init_kwargs)
         self.student_tokenizer, self.teacher_tokenizer, self.args = student_tokenizer, teacher_tokenizer, args
         self.loss = None  # set as it attaches, once the models' vocabularies are known
+        self.sampled_rows = {"rows": 0, "unaligned": 0}  # sampled completions scored, and those with no group
+
+    @classmethod
+    def refuse(cls, args, *, eval_dataset=None, peft: bool = False) -> None:
+        super().refuse(args, eval_dataset=eval_dataset, peft=peft)
+        if args.seq_kd:
+            raise ValueError("A teacher with another tokenizer (cross-tokenizer distillation) does not support seq_kd "
+                             "yet: it would sample in its own tokens. Set seq_kd=False (on-policy lmbda > 0 works: "
+                             "the student's samples are re-rendered for the teacher).")
 
     def vocab_config(self, student_config):
         return student_config  # the student's own vocabulary: the teacher's is mapped onto it by bytes
@@ -106,14 +115,15 @@ class CrossTokenizerTeacher(LiveTeacher):
             raw = {key: value[: -len(eos)] if key in ("text", "completion") and isinstance(value, str) and eos
                    and value.endswith(eos) else value for key, value in example.items()}  # SFT appended the EOS
             row, prepared = align_example(raw, self.student_tokenizer, self.teacher_tokenizer), example["input_ids"]
+            prompt = teacher_prompt_ids(raw, self.teacher_tokenizer)  # for sampled completions (lmbda > 0)
             if row is None or row.student_input_ids[: len(prepared)] != list(prepared[: len(row.student_input_ids)]):
                 return {TEACHER_IDS: row.teacher_input_ids[:limit] if row else [], STUDENT_POSITIONS: [],
-                        TEACHER_POSITIONS: []}
+                        TEACHER_POSITIONS: [], TEACHER_PROMPT: prompt}
             teacher_ids = row.teacher_input_ids[:limit]
             pairs = [(s, t) for s, t, g in zip(row.student_positions, row.teacher_positions, row.groups, strict=True)
                      if g.student[1] <= len(prepared) and g.teacher[1] <= len(teacher_ids)]  # both sides whole
             return {TEACHER_IDS: teacher_ids, STUDENT_POSITIONS: [s for s, _ in pairs],
-                    TEACHER_POSITIONS: [t for _, t in pairs]}
+                    TEACHER_POSITIONS: [t for _, t in pairs], TEACHER_PROMPT: prompt}
 
         dataset = dataset.map(columns, num_proc=self.args.dataset_num_proc, desc=f"Aligning {name} for the teacher")
         unaligned = sum(1 for positions in dataset[STUDENT_POSITIONS] if not positions)
@@ -121,6 +131,41 @@ class CrossTokenizerTeacher(LiveTeacher):
             logger.warning("trl_distill: %d of %d %s rows have no completion text both tokenizers can align; they "
                            "train on CE only.", unaligned, len(dataset), name)
         return dataset
+
+    def score_sampled(self, batch: dict, source: dict | None = None) -> None:
+        """Sampled completions (`batch`) of the prompts of `source` (the collated batch they replace): each row
+        re-rendered for the teacher (its own prompt tokens, then its tokens of the completion's text) and aligned
+        (`cross_tokenizer.sampled`). A row that does not align trains on CE only."""
+        prompts = source[_BATCH][3] if source is not None and _BATCH in source else None
+        if prompts is None:
+            raise ValueError("Sampled completions across tokenizers need the teacher's prompt tokens of their rows: "
+                             "the batch they replace carries none.")
+        eos, limit = self.student_tokenizer.eos_token_id, self.args.max_length
+        examples = []
+        for labels, prompt in zip(batch["labels"], prompts, strict=True):
+            where = (labels != -100).nonzero().squeeze(1)
+            start, completion = (int(where[0]), labels[where].tolist()) if len(where) else (len(labels), [])
+            teacher_ids, groups = align_sampled(completion, bool(completion) and completion[-1] == eos,
+                                                self.student_tokenizer, self.teacher_tokenizer) if prompt else ([], [])
+            ids = (list(prompt) + teacher_ids)[:limit] if limit else list(prompt) + teacher_ids
+            pairs = [(start + g.student[0] - 1, len(prompt) + g.teacher[0] - 1) for g in groups
+                     if start + g.student[0] > 0 and len(prompt) + g.teacher[0] > 0
+                     and len(prompt) + g.teacher[1] <= len(ids)]
+            examples.append({TEACHER_IDS: ids, STUDENT_POSITIONS: [p for p, _ in pairs],
+                             TEACHER_POSITIONS: [t for _, t in pairs], TEACHER_PROMPT: prompt})
+        self.sampled_rows["rows"] += len(examples)
+        self.sampled_rows["unaligned"] += sum(not e[STUDENT_POSITIONS] for e in examples)
+        device = batch["input_ids"].device
+        batch[_BATCH] = tuple(x.to(device) if isinstance(x, torch.Tensor) else x
+                              for x in cross_batch(examples, self.teacher_tokenizer.pad_token_id or 0))
+
+    def release(self) -> None:
+        super().release()
+        rows, unaligned = self.sampled_rows.values()
+        if unaligned and self.args.process_index == 0:
+            logger.warning("trl_distill: %d of %d sampled completions have no text both tokenizers can align; they "
+                           "trained on CE only.", unaligned, rows)
+        self.sampled_rows = dict.fromkeys(self.sampled_rows, 0)
 
     # ---- The loss ----
 
@@ -153,13 +198,20 @@ class CrossTokenizerCollator:
 
     def __call__(self, examples: list[dict]) -> dict:
         batch = self.collator([{k: v for k, v in ex.items() if k not in COLUMNS} for ex in examples])
-        ids = [torch.tensor(ex[TEACHER_IDS] or [self.pad_id], dtype=torch.long) for ex in examples]
-        teacher_ids = pad_sequence(ids, batch_first=True, padding_value=self.pad_id)
-        teacher_mask = pad_sequence([torch.ones_like(i) for i in ids], batch_first=True, padding_value=0)
-        groups = [(b, s, t) for b, ex in enumerate(examples)
-                  for s, t in zip(ex[STUDENT_POSITIONS], ex[TEACHER_POSITIONS], strict=True)]
-        batch[_BATCH] = (teacher_ids, teacher_mask, torch.tensor(groups, dtype=torch.long).reshape(-1, 3))
+        batch[_BATCH] = cross_batch(examples, self.pad_id)
         return batch
+
+
+def cross_batch(examples: list[dict], pad_id: int) -> tuple:
+    """``(teacher ids [B, L], their mask, groups [G, 3] (row, student position, teacher position), the teacher's
+    prompt tokens per row)``: what the cross-tokenizer teacher reads of a batch."""
+    ids = [torch.tensor(ex[TEACHER_IDS] or [pad_id], dtype=torch.long) for ex in examples]
+    teacher_ids = pad_sequence(ids, batch_first=True, padding_value=pad_id)
+    teacher_mask = pad_sequence([torch.ones_like(i) for i in ids], batch_first=True, padding_value=0)
+    groups = [(b, s, t) for b, ex in enumerate(examples)
+              for s, t in zip(ex[STUDENT_POSITIONS], ex[TEACHER_POSITIONS], strict=True)]
+    prompts = [list(ex.get(TEACHER_PROMPT) or []) for ex in examples]
+    return teacher_ids, teacher_mask, torch.tensor(groups, dtype=torch.long).reshape(-1, 3), prompts
 
 
 class CrossRows:

@@ -111,7 +111,7 @@ class ServedTeacher(TeacherSource):
         raise error(f"{message}{whose} Stopped at step {self.trainer.state.global_step + 1}: resume from the last "
                     "complete checkpoint with --resume_from_checkpoint true once the server is fixed.") from failure
 
-    def score_sampled(self, batch: dict) -> None:
+    def score_sampled(self, batch: dict, source: dict | None = None) -> None:
         batch[SIGNAL] = self.request(batch)  # the sampled rows' top-k, asked for at once
 
     def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> SparseRows:
