@@ -8,8 +8,12 @@ from transformers import AutoTokenizer
 from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.cross_tokenizer.sampled import align_sampled, sampled_offsets
 from trl_distill.rollout.on_policy import STUDENT
-from trl_distill.testing import build_sentencepiece_style_tokenizer, build_tokenizer, synthetic_prompt_completion
-from trl_distill.testing import tiny_run_settings
+from trl_distill.testing import (
+    build_sentencepiece_style_tokenizer,
+    build_tokenizer,
+    synthetic_prompt_completion,
+    tiny_run_settings,
+)
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from ..cross_tokenizer.data import align_example, teacher_prompt_ids
-from ..cross_tokenizer.sampled import align_sampled
 from ..cross_tokenizer.loss import CrossTokenizerLoss, divergence_at_temperature
+from ..cross_tokenizer.sampled import align_sampled
 from ..cross_tokenizer.vocabulary import shared_vocabulary
 from ..loss.divergences import at_temperature
 from ..loss.fused import LossSettings
