@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup quickstart test test-fast lint bench-loss bench bench-cache bench-cross bench-on-policy vllm-env clean
+.PHONY: setup quickstart test test-fast lint bench-loss bench bench-cache bench-cross bench-on-policy experiment-on-policy vllm-env clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -87,6 +87,11 @@ experiment-cross: setup
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality/cross_tokenizer_kd.py
 
-experiment: setup
+experiment: setup vllm-env
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality/kd_vs_sft.py
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality/on_policy_kd.py
+
+# On-policy (GKD) students vs off-policy and SFT-only ones, 3 seeds, the teacher live and served (vLLM)
+experiment-on-policy: setup vllm-env
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality/on_policy_kd.py

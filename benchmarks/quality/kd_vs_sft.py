@@ -113,8 +113,10 @@ def n_params(path: Path) -> int:
 
 
 def cli(student: Path, teacher: Path, out: Path, *, data: Path, steps: int, batch: int, seed: int, alpha: float,
-        divergence: str, save_every: int | None, learning_rate: float | None = None) -> float:
-    """One `python -m trl_distill` run on one thread; returns its wall time. The log lands in `out`.log."""
+        divergence: str, save_every: int | None, learning_rate: float | None = None,
+        extra: dict | None = None) -> float:
+    """One `python -m trl_distill` run on one thread; returns its wall time. The log lands in `out`.log. `extra`:
+    more flags (e.g. ``lmbda``)."""
     args = dict(TRAINING, learning_rate=learning_rate or TRAINING["learning_rate"], model_name_or_path=student,
                 teacher_model_name_or_path=teacher, output_dir=out, dataset_name=data, max_steps=steps,
                 per_device_train_batch_size=batch, seed=seed, alpha=alpha, divergence=divergence,
@@ -123,6 +125,7 @@ def cli(student: Path, teacher: Path, out: Path, *, data: Path, steps: int, batc
                 report_to="none", disable_tqdm=True, use_cpu=True)
     if save_every:
         args.update(save_steps=save_every, save_only_model=True)
+    args.update(extra or {})
     cmd = [sys.executable, "-m", "trl_distill"] + [item for k, v in args.items() for item in (f"--{k}", str(v))]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1"}
     log = out.parent / f"{out.name}.log"

@@ -231,3 +231,29 @@ def test_a_teacher_of_another_tokenizer_scores_the_servers_rollouts(rollout_serv
     logs = [h for h in trainer.state.log_history if "kd_loss" in h]
     assert len(logs) == 2 and all(h["kd_loss"] > 0 and h["on_policy_fraction"] == 1.0 for h in logs)
     assert counted[0]["rows"] == 8 and counted[0]["unaligned"] == 0  # 2 steps x 4 sampled rows, all aligned
+
+
+def test_seq_kd_samples_from_the_served_teachers_own_server(served, tmp_path):
+    """seq_kd against a served teacher: its server samples each row (seeded, so asking again gives the same), and
+    then scores those rows; nothing syncs (it is not the student)."""
+    from trl_distill.rollout.engine_rollouts import row_seed
+    from trl_distill.rollout.on_policy import TEACHER, prompts_of
+
+    settings = tiny_run_settings(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=2,
+                                 save_strategy="no", use_cpu=True, max_new_tokens=8, seq_kd=True, max_length=64,
+                                 teacher_server=served["url"], alpha=1.0, temperature=1.0)
+    trainer = DistillationTrainer(served["student"], args=DistillationConfig(**settings),
+                                  train_dataset=synthetic_prompt_completion(32), processing_class=served["tokenizer"])
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "kd_loss" in h]
+    assert len(logs) == 2 and all(h["kd_loss"] > 0 and h["generated_length"] > 0 for h in logs)
+    assert trainer.sampler.teacher_engine.sync is None  # never synced anything
+    batch = trainer._prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in range(4)]))
+    new, completions = trainer.sampler.sample(TEACHER, dict(batch))
+    step, micro = trainer.state.global_step, trainer.sampler.teacher_engine.micro[1] - 1
+    again = trainer.sampler.teacher_engine.client.sample(
+        [p.tolist() for p in prompts_of(batch)], [row_seed(trainer.args.seed + 7919, step, 0, micro, r)
+                                                  for r in range(4)],
+        max_tokens=8, temperature=1.0, top_p=1.0, top_k=0, stop_token_ids=[served["tokenizer"].eos_token_id])
+    assert [c.tolist() for c in completions] == [r.token_ids for r in again]
+    assert new["labels"].ne(-100).sum() == sum(len(c) for c in completions)

@@ -41,7 +41,6 @@ def test_the_trainer_refuses_a_down_server_before_training(tiny_pair, tmp_path):
 
 @pytest.mark.parametrize("bad, message", [
     (dict(temperature=2.0), "at temperature 1 only"),
-    (dict(seq_kd=True), r"Sequence-level KD \(seq_kd\) samples from the teacher, which --teacher_server does not"),
     (dict(packing=True), "set packing=False and padding_free=False"),
     (dict(teacher_server_top_k=0), "teacher_server_top_k and teacher_server_concurrency must be >= 1"),
 ])

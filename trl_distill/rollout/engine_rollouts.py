@@ -29,11 +29,13 @@ def row_seed(seed: int, step: int, rank: int, micro: int, row: int) -> int:
 
 
 class EngineRollouts:
-    """A `DistillationTrainer`'s rollout server: `sample` returns each prompt's completion (token ids)."""
+    """A `DistillationTrainer`'s rollout server: `sample` returns each prompt's completion (token ids). Without
+    `syncs` (a served teacher sampling for `seq_kd`: `client` is its server) nothing is synced or checked here."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, client: RolloutServerClient | None = None, syncs: bool = True, salt: int = 0):
         self.trainer, args = trainer, trainer.args
-        self.client = RolloutServerClient(server_url(args), timeout=args.vllm_server_timeout)
+        self.client = client or RolloutServerClient(server_url(args), timeout=args.vllm_server_timeout)
+        self.syncs, self.salt = syncs, salt  # salt: another seed stream per engine (the student's is 0)
         self.sync = None
         self.synced_step = None  # the optimizer step whose weights the server holds
         self.micro = (None, 0)  # (step, micro-batches sampled in it)
@@ -81,14 +83,14 @@ class EngineRollouts:
         engine's log-prob of each of its tokens."""
         trainer, args = self.trainer, self.trainer.args
         step = trainer.state.global_step
-        if self.sync is None:
+        if self.syncs and self.sync is None:
             self._connect()
-        if self.synced_step is None or (step != self.synced_step and step % args.vllm_sync_steps == 0):
+        if self.syncs and (self.synced_step is None or (step != self.synced_step and step % args.vllm_sync_steps == 0)):
             self._push(step)
         micro = self.micro[1] if self.micro[0] == step else 0
         self.micro = (step, micro + 1)
         rank = trainer.accelerator.process_index
-        seeds = [row_seed(args.seed, step, rank, micro, row) for row in range(len(prompts))]
+        seeds = [row_seed(args.seed + self.salt, step, rank, micro, row) for row in range(len(prompts))]
         started, rollouts, failure = time.perf_counter(), [], None
         try:
             rollouts = self.client.sample([p.tolist() for p in prompts], seeds, max_tokens=args.max_new_tokens,

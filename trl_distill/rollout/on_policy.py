@@ -132,6 +132,7 @@ class CompletionSampler:
         self.trainer = trainer
         self.stats = dict.fromkeys(("micro_steps", "on_policy", "rows", "tokens"), 0)
         self.engine = EngineRollouts(trainer) if trainer.args.use_vllm else None  # the rollout server
+        self.teacher_engine = None  # a served teacher's server, sampling for seq_kd
         self.since = time.perf_counter()  # the start of the span the next log covers
 
     @property
@@ -164,6 +165,15 @@ class CompletionSampler:
             completions, logprobs = self.engine.sample(prompts, sorted(eos_ids))
             new_batch = completion_batch(prompts, completions, tokenizer.pad_token_id)
             new_batch[ROLLOUT] = EngineLogprobs(torch.tensor([x for row in logprobs for x in row]))
+            trainer.teacher.score_sampled(new_batch, batch)
+            return new_batch, completions
+        server = trainer.teacher.sampling_server() if source == TEACHER else None
+        if server is not None:  # seq_kd from a served teacher: its server samples
+            if self.teacher_engine is None:
+                self.teacher_engine = EngineRollouts(trainer, server, syncs=False, salt=7919)
+            prompts = prompts_of(batch)
+            completions, _ = self.teacher_engine.sample(prompts, sorted(eos_ids))
+            new_batch = completion_batch(prompts, completions, tokenizer.pad_token_id)
             trainer.teacher.score_sampled(new_batch, batch)
             return new_batch, completions
         if source == STUDENT:
@@ -216,5 +226,6 @@ class CompletionSampler:
             logs["rollout_kl_engine_trainer"] = -gap / max(scored, 1)  # KL(π_engine ‖ π_train), sampled
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
+        for engine in (self.engine, self.teacher_engine):
+            if engine is not None:
+                engine.close()

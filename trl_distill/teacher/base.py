@@ -117,6 +117,11 @@ class TeacherSource(ABC):
         batch itself)."""
         return None
 
+    def sampling_server(self):
+        """A vLLM server that samples in this teacher's stead (`seq_kd`; an `engine_client.RolloutServerClient`), or
+        None: it samples with HF `generate` (`generation`)."""
+        return None
+
     def generation(self, num_processes: int) -> tuple[object, object, bool]:
         """``(model, context, synced_gpus)`` to sample completions from (`seq_kd`)."""
         raise ValueError(f"seq_kd samples completions from the teacher, and the teacher is {self.describe()}.")

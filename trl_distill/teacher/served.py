@@ -77,10 +77,6 @@ class ServedTeacher(TeacherSource):
                              f"to prompt log-probs, and the top-k cannot be renormalised without the whole "
                              f"vocabulary); got --temperature {args.temperature}. Train at --temperature 1, or use "
                              "the local teacher (--teacher_model_name_or_path, or a cache written from it).")
-        if args.seq_kd:
-            raise ValueError("Sequence-level KD (seq_kd) samples from the teacher, which --teacher_server does not do "
-                             "yet: set seq_kd=False (on-policy lmbda > 0 works: the server scores the student's "
-                             "samples), or load the teacher with --teacher_model_name_or_path.")
         if args.teacher_server_top_k < 1 or args.teacher_server_concurrency < 1 or not args.teacher_server_timeout > 0:
             raise ValueError("teacher_server_top_k and teacher_server_concurrency must be >= 1 and "
                              f"teacher_server_timeout > 0; got {args.teacher_server_top_k}, "
@@ -110,6 +106,15 @@ class ServedTeacher(TeacherSource):
         error = type(failure) if failure is not None else TeacherServerError
         raise error(f"{message}{whose} Stopped at step {self.trainer.state.global_step + 1}: resume from the last "
                     "complete checkpoint with --resume_from_checkpoint true once the server is fixed.") from failure
+
+    def sampling_server(self):
+        """The teacher's own server samples its completions (`seq_kd`), through the rollout client."""
+        from ..rollout.engine_client import RolloutServerClient
+
+        if getattr(self, "_sampler", None) is None:
+            self._sampler = RolloutServerClient(self.client.url, timeout=self.client.http.timeout)
+            self._sampler.model = self.client.model
+        return self._sampler
 
     def score_sampled(self, batch: dict, source: dict | None = None) -> None:
         batch[SIGNAL] = self.request(batch)  # the sampled rows' top-k, asked for at once
@@ -150,7 +155,7 @@ class ServedTeacher(TeacherSource):
         return records
 
     def __getstate__(self):  # DataLoader workers get a copy without the pool (and fetch synchronously)
-        return {**self.__dict__, "_pool": None, "_pool_pid": None}
+        return {**self.__dict__, "_pool": None, "_pool_pid": None, "_sampler": None}
 
     def check(self, tokenizer, vocab_size: int, max_length: int | None) -> None:
         """Before anything trains or is written: the server answers, serves the model, takes rows of `max_length`
