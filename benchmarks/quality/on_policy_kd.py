@@ -6,10 +6,11 @@
 Like `kd_vs_sft.py` (same corpus, model sizes, recipe and CLI runs), on prompt–completion rows: each stdlib piece is
 cut at the line break nearest a third of it, the prompt before, the completion after.
 
-1. The teacher (trained as in `kd_vs_sft.py`, ``--alpha 0`` on the whole pieces, one pass).
+1. The teacher (trained as in `kd_vs_sft.py`, ``--alpha 0`` on the whole pieces, one pass). Prompts are at most 96
+   characters, so a prompt and its sampled completion fit the models' 128 positions.
 2. Students, 3 seeds, each method from the same initial weights and data order per seed:
    SFT-only (``--alpha 0``); off-policy forward KL (``--alpha 1``, the dataset's completions); on-policy
-   (``--lmbda 1``: every step's completions sampled by the student with its HF `generate`, ``max_new_tokens`` 64)
+   (``--lmbda 1``: every step's completions sampled by the student with its HF `generate`, ``max_new_tokens`` 48)
    with reverse KL and with JSD; mixed (``--lmbda 0.5``, reverse KL); and on-policy reverse KL against the teacher
    served by vLLM (``--teacher_server``, its top-64 on the sampled rows, `make vllm-env`).
 3. Held-out: the completions of held-out files' pieces after their prompts: the student's cross-entropy on them
@@ -41,7 +42,7 @@ from kd_vs_sft import MAX_LENGTH, PLANS, cli, prepare, say  # noqa: E402
 from stdlib_corpus import build as build_corpus  # noqa: E402
 
 README_MARKERS = ("<!-- experiment:on-policy:start -->", "<!-- experiment:on-policy:end -->")
-NEW_TOKENS = 64
+NEW_TOKENS = 48  # prompt (<= 96 characters) + sampled tokens stay inside the models' 128 positions
 METHODS = {  # name: (alpha, divergence, extra CLI flags; "served": against the teacher's vLLM server)
     "sft": (0.0, "forward_kl", {}),
     "off-policy forward KL": (1.0, "forward_kl", {}),
@@ -54,9 +55,10 @@ SMOKE_METHODS = ["sft", "on-policy reverse KL"]
 
 
 def split(text: str) -> dict:
-    """A piece as prompt–completion: cut at the line break nearest a third of it (else at a third)."""
-    third = len(text) // 3
-    breaks = [i + 1 for i, c in enumerate(text) if c == "\n" and 0 < i + 1 < len(text) - 8]
+    """A piece as prompt–completion: cut at the line break nearest a third of it, at most 96 characters in (else
+    there)."""
+    third = min(len(text) // 3, 96)
+    breaks = [i + 1 for i, c in enumerate(text) if c == "\n" and 0 < i + 1 <= 96 and i + 1 < len(text) - 8]
     cut = min(breaks, key=lambda i: abs(i - third)) if breaks else third
     return {"prompt": text[:cut], "completion": text[cut:]}
 
@@ -112,8 +114,10 @@ def main(argv: list[str] | None = None) -> None:
         init, out = paths[f"student_init_{seed}"], work / "students" / f"{method.replace(' ', '_')}_s{seed}"
         served = METHODS[method][2].get("served")
         if served:
-            extra |= {"teacher_server": url, "teacher_server_top_k": 64}
-        seconds = cli(init, teacher if alpha > 0 else init, out, data=data / "train_prompt_completion.jsonl",
+            # the server's context is the models' 128 positions, one of which vLLM's own generated token takes
+            extra |= {"teacher_server": url, "teacher_server_top_k": 64, "max_length": MAX_LENGTH - 1}
+        named = "teacher" if served else teacher if alpha > 0 else init  # a server is asked by its served name
+        seconds = cli(init, named, out, data=data / "train_prompt_completion.jsonl",
                       steps=plan["steps"], batch=plan["batch"], seed=seed, alpha=alpha, divergence=divergence,
                       save_every=None, extra=extra)
         ce = completion_ce(out, rows["heldout"])
@@ -127,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     if served:
         from trl_distill.testing import vllm_server
 
-        with vllm_server(teacher, name="teacher", max_model_len=MAX_LENGTH + NEW_TOKENS + 1) as url:
+        with vllm_server(teacher, name="teacher") as url:
             runs += [student(s, m, url) for m in served for s in plan["seeds"]]
     report = {"plan": plan, "methods": methods, "new_tokens": NEW_TOKENS, "runs": runs,
               "teacher_heldout_ce": completion_ce(teacher, rows["heldout"]),
