@@ -257,3 +257,26 @@ def test_seq_kd_samples_from_the_served_teachers_own_server(served, tmp_path):
         max_tokens=8, temperature=1.0, top_p=1.0, top_k=0, stop_token_ids=[served["tokenizer"].eos_token_id])
     assert [c.tolist() for c in completions] == [r.token_ids for r in again]
     assert new["labels"].ne(-100).sum() == sum(len(c) for c in completions)
+
+
+def test_a_server_of_another_model_is_one_line_at_the_first_sync(tiny_pair, tmp_path):
+    """The tiny pair's student (32 wide) against a server of a 64-wide one with the same tokenizer (its own: a
+    failed load may leave a server unusable): the error comes at the first sync, well inside the timeout."""
+    import time
+
+    from trl_distill.testing import build_tiny_model, build_tokenizer, vllm_server
+
+    tokenizer, directory = build_tokenizer(), tmp_path / "wide"
+    build_tiny_model(tokenizer, "student", seed=1, hidden_size=64, num_attention_heads=2).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    with vllm_server(directory, name="student", rollout=True) as url:
+        settings = tiny_run_settings(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=2,
+                                     save_strategy="no", use_cpu=True, max_new_tokens=8, lmbda=1.0, use_vllm=True,
+                                     vllm_server_base_url=url, vllm_group_port=free_port(), vllm_server_timeout=120)
+        trainer = DistillationTrainer(tiny_pair["student"], tiny_pair["teacher"], args=DistillationConfig(**settings),
+                                      train_dataset=synthetic_prompt_completion(32), processing_class=tokenizer)
+        started = time.monotonic()
+        with pytest.raises(RolloutServerError, match=r"could not load the student's weights: it must serve the "
+                                                     r"student's own architecture.*Stopped at step 1"):
+            trainer.train()
+        assert time.monotonic() - started < 60  # well inside vllm_server_timeout

@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 
 from ..compat import gloo_group
+from .engine_client import RolloutServerError
 from .student_weights import chunks, flat_chunks, student_weights
 
 CHUNK_BYTES = 64 << 20
@@ -69,18 +70,24 @@ class EngineWeightSync:
         update = {"names": [w.name for w in weights], "dtype_names": [str(w.dtype).removeprefix("torch.")
                                                                       for w in weights],
                   "shapes": [list(w.shape) for w in weights], "chunks": [len(g) for g in groups]}
+        def send():
+            for flat in flat_chunks(groups):
+                self.group.broadcast(flat.contiguous(), 0).wait()
+
         self.client.pause()
         try:
             self.client.start_weight_update()
-
-            def send():
-                for flat in flat_chunks(groups):
-                    self.group.broadcast(flat.contiguous(), 0).wait()
-
             self._alongside(lambda: self.client.update_weights(update), send)
             self.client.finish_weight_update(str(version))
+        except RolloutServerError as error:
+            raise type(error)(f"The rollout server {self.client.url} could not load the student's weights: it must "
+                              "serve the student's own architecture and sizes (`trl-distill vllm-serve --model "
+                              f"STUDENT`). It said: {error}") from None
         finally:
-            self.client.resume()
+            try:
+                self.client.resume()
+            except RolloutServerError:
+                pass  # the error above says what went wrong; a server that died cannot resume
         self.seconds += time.perf_counter() - started
 
     def take_seconds(self) -> float:

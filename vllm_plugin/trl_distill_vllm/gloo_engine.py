@@ -90,20 +90,27 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.group is None:
             raise RuntimeError("The gloo weight transfer is not initialised: call /init_weight_transfer_engine first.")
-        start = 0
+        start, failure = 0, None
         for count in update_info.chunks:
             names = update_info.names[start:start + count]
             shapes = [tuple(s) for s in update_info.shapes[start:start + count]]
             dtype = getattr(torch, update_info.dtype_names[start])
             flat = torch.empty(sum(math.prod(s) for s in shapes), dtype=dtype)
             self.group.broadcast(flat, 0).wait()
+            start += count
+            if failure is not None:
+                continue  # keep receiving: the trainer's broadcasts must all complete, or it waits out its timeout
             weights, offset = [], 0
             for name, shape in zip(names, shapes):
                 size = math.prod(shape)
                 weights.append((name, flat[offset:offset + size].view(shape)))
                 offset += size
-            self.model.load_weights(weights)
-            start += count
+            try:
+                self.model.load_weights(weights)
+            except Exception as error:  # noqa: BLE001 - re-raised once every chunk has arrived
+                failure = error
+        if failure is not None:
+            raise failure
 
     def shutdown(self) -> None:
         self.group = None
