@@ -73,3 +73,39 @@ def test_two_processes_roll_out_from_the_server_and_sync_every_student_kind(roll
     client = RolloutServerClient(rollout_server["url"], timeout=60)
     client.connect(rollout_server["tokenizer"])
     assert served_gap(client, model, rollout_server["tokenizer"](PROBE)["input_ids"]) < 1e-4
+
+
+def test_two_processes_roll_out_and_a_served_teacher_scores_each_ranks_rows(rollout_server, served, tmp_path):
+    """ZeRO-2 student on 2 processes, its rollouts from one vLLM server, the teacher's top-k on them from another:
+    the first step's logged losses are the sparse KD and the CE computed from the initial student's own logits and
+    the teacher server's answer for the rows each rank sampled."""
+    from tests.oracles import sparse_distillation_loss
+    from trl_distill.teacher.server_client import TeacherServerClient
+
+    launch(WORKER, rollout_server["student"], served["url"], str(tmp_path), rollout_server["url"], str(free_port()),
+           "served", timeout=600)
+    ranks = read_rank_records(tmp_path / "served")
+    assert ranks[0]["versions"] == ["0", "1", "2"]
+    student = AutoModelForCausalLM.from_pretrained(rollout_server["student"]).eval()
+    client = TeacherServerClient(served["url"], "teacher")
+    kd, ce = [], []
+    for rank in ranks:
+        row = rank["sampled"]["1"]
+        ids, mask, labels = (torch.tensor(row[k]) for k in ("input_ids", "attention_mask", "labels"))
+        with torch.no_grad():
+            logits = student(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        keep = labels[:, 1:] != -100
+        rows = [r[m.bool()].tolist() for r, m in zip(ids, mask)]
+        signals = client.top_k_rows(rows, 64)
+        positions = [k.nonzero().squeeze(1) for k in keep]
+        signal = type(signals[0])(*(torch.cat([t[p] for t, p in zip(column, positions)])
+                                    for column in zip(*signals)))
+        s = logits[keep]
+        kd.append(float(sparse_distillation_loss(s, torch.eye(s.shape[1]), signal, loss_type="forward_kl").kd))
+        ce.append(float(torch.nn.functional.cross_entropy(s, labels[:, 1:][keep])))
+    logs = {h["step"]: h for h in ranks[0]["log_history"] if "kd_loss" in h}
+    expected = {"kd_loss": sum(kd) / 2, "ce_loss": sum(ce) / 2}
+    expected["loss"] = 0.5 * expected["kd_loss"] + 0.5 * expected["ce_loss"]
+    for key, value in expected.items():
+        assert logs[1][key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+

@@ -1,7 +1,9 @@
 """2-process on-policy distillation (lmbda=1) with the student's rollouts from a real vLLM server, a ZeRO-3 teacher
 beside the student. Records per rank the first step's sampled rows and the logs into ``<out>/<mode>/rank<k>.json``.
 
-    engine_rollout_worker.py STUDENT TEACHER OUT URL GROUP_PORT zero2|zero3_student|lora
+    engine_rollout_worker.py STUDENT TEACHER OUT URL GROUP_PORT zero2|zero3_student|lora|served
+
+TEACHER is a directory, or (mode served) the URL of a vLLM server of the teacher.
 """
 
 import os
@@ -19,20 +21,22 @@ DEEPSPEED = os.path.join(ROOT, "configs", "deepspeed")
 def main():
     student, teacher, out, url, port, mode = sys.argv[1:7]
     rank = int(os.environ["RANK"])
+    served = {"teacher_server": teacher, "temperature": 1.0, "max_length": 64} if mode == "served" else {}
     config = DistillationConfig(
         output_dir=os.path.join(out, mode), lmbda=1.0, use_vllm=True, vllm_server_base_url=url,
         vllm_group_port=int(port), vllm_server_timeout=120, max_new_tokens=6,
         deepspeed=os.path.join(DEEPSPEED, "zero3_student.json" if mode == "zero3_student" else "zero2_student.json"),
         teacher_deepspeed=os.path.join(DEEPSPEED, "zero3_teacher.json"),
-        **tiny_run_settings(max_steps=3, per_device_train_batch_size=2, save_strategy="steps", save_steps=2),
+        **tiny_run_settings(max_steps=3, per_device_train_batch_size=2, save_strategy="steps", save_steps=2,
+                            **served),
     )
     peft = None
     if mode == "lora":
         from peft import LoraConfig
 
         peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    trainer = DistillationTrainer(student, teacher, args=config, train_dataset=synthetic_prompt_completion(32),
-                                  peft_config=peft)
+    trainer = DistillationTrainer(student, None if served else teacher, args=config,
+                                  train_dataset=synthetic_prompt_completion(32), peft_config=peft)
     record = {"sampled": {}, "versions": []}
     engine, sample = trainer.sampler.engine, trainer.sampler.sample
 
