@@ -280,3 +280,37 @@ def test_a_server_of_another_model_is_one_line_at_the_first_sync(tiny_pair, tmp_
                                                      r"student's own architecture.*Stopped at step 1"):
             trainer.train()
         assert time.monotonic() - started < 60  # well inside vllm_server_timeout
+
+
+def test_the_command_line_distils_on_policy_from_the_rollout_server(rollout_server, tiny_pair, tmp_path):
+    """`trl-distill --lmbda 1 --use_vllm --vllm_server_base_url URL ...`, as docs/on_policy.md writes it."""
+    import ast
+    import subprocess
+    import sys
+
+    data = tmp_path / "pc.jsonl"
+    synthetic_prompt_completion(16).to_json(str(data))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "trl_distill", "--model_name_or_path", rollout_server["student"],
+           "--teacher_model_name_or_path", tiny_pair["teacher"], "--dataset_name", str(data), "--output_dir",
+           str(out), "--lmbda", "1", "--use_vllm", "--vllm_server_base_url", rollout_server["url"],
+           "--vllm_group_port", str(free_port()), "--divergence", "reverse_kl", "--max_steps", "2",
+           "--max_new_tokens", "6", "--per_device_train_batch_size", "4", "--logging_steps", "1", "--use_cpu", "true",
+           "--bf16", "false", "--report_to", "none", "--save_strategy", "no"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    logs = [ast.literal_eval(line) for line in done.stdout.splitlines() if line.startswith("{'loss'")]
+    assert len(logs) == 2 and all(log["on_policy_fraction"] == "1" and int(log["rollout_tokens"]) > 0 for log in logs)
+
+
+def test_vllm_serve_without_vllm_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "trl_distill", "vllm-serve", "--model", str(tmp_path), "--python",
+                           str(tmp_path / "no-python")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"trl-distill vllm-serve: error: {tmp_path / 'no-python'} cannot run the rollout server: it needs vLLM and "
+        "trl_distill's vLLM plugin. Build them with `make vllm-env` (or `pip install vllm ./vllm_plugin` in a Python "
+        "of your choice and pass --python or TRL_DISTILL_VLLM_PYTHON)."]
