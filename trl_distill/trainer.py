@@ -22,7 +22,7 @@ from .data.prepare import (
 from .loss.fused import LossSettings, fused_loss, select_loss_rows
 from .model.fused_forward import LossFeatures, add_fused_distillation_forward, gathered
 from .model.logit_check import settle_logit_paths_by_inputs
-from .rollout.on_policy import CompletionSampler, refuse_zero3_student_sampling
+from .rollout.on_policy import CompletionSampler, check_sampling_prompts, refuse_zero3_student_sampling
 from .runtime.checkpoints import resume_point, run_record, save_complete_checkpoint, student_identity
 from .runtime.metrics import DistillMetrics, TrainingBounds
 from .runtime.run_lock import refuse_if_locked, take_run_lock
@@ -107,6 +107,7 @@ class DistillationTrainer(SFTTrainer):
                                                 self.processing_class)
             self.teacher.attach(self)  # its fit checks, columns and collator
             check_dataset_not_empty(self.train_dataset, "train", "prepared", args.max_length)
+            check_sampling_prompts(self.train_dataset, args)  # lmbda / seq_kd: every row needs a prompt
             evaluation = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
             for name, dataset in evaluation.items():
                 check_dataset_not_empty(dataset, name, "prepared", args.max_length)

@@ -58,8 +58,9 @@ def split(text: str) -> dict:
     """A piece as prompt–completion: cut at the line break nearest a third of it, at most 96 characters in (else
     there)."""
     third = min(len(text) // 3, 96)
-    breaks = [i + 1 for i, c in enumerate(text) if c == "\n" and 0 < i + 1 <= 96 and i + 1 < len(text) - 8]
-    cut = min(breaks, key=lambda i: abs(i - third)) if breaks else third
+    breaks = [i + 1 for i, c in enumerate(text) if c == "\n" and i + 1 <= 96 and i + 1 < len(text) - 8
+              and text[: i + 1].strip()]  # a prompt with something in it
+    cut = min(breaks, key=lambda i: abs(i - third)) if breaks else max(third, len(text) - len(text.lstrip()) + 1)
     return {"prompt": text[:cut], "completion": text[cut:]}
 
 

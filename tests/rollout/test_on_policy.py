@@ -140,3 +140,16 @@ def test_language_modeling_data_has_no_prompts_to_sample_from(tiny_pair, tmp_pat
         packing=False, formatting_func=None, dataset_name="train")
     with pytest.raises(ValueError, match="need prompts"):
         trainer.train()
+
+
+def test_rows_without_a_prompt_are_refused_before_training_with_their_count(tiny_pair, tmp_path):
+    from datasets import Dataset
+
+    rows = [{"prompt": "", "completion": "abc def"}, *synthetic_prompt_completion(4)]
+    args = DistillationConfig(**tiny_run_settings(output_dir=str(tmp_path / "out"), use_cpu=True, lmbda=0.5))
+    for _ in range(2):  # the refused run leaves no lock behind: the same output_dir is refused the same way again
+        with pytest.raises(ValueError, match=r"need prompts, and 1 of the 5 prepared train rows have none"):
+            DistillationTrainer(tiny_pair["student"], tiny_pair["teacher"], args=args,
+                                train_dataset=Dataset.from_list(rows))
+    plain = DistillationConfig(**tiny_run_settings(output_dir=str(tmp_path / "out"), use_cpu=True))
+    DistillationTrainer(tiny_pair["student"], tiny_pair["teacher"], args=plain, train_dataset=Dataset.from_list(rows))

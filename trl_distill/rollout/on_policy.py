@@ -53,6 +53,24 @@ def prompts_of(batch: dict) -> list[torch.Tensor]:
     return prompts
 
 
+def check_sampling_prompts(dataset, args) -> None:
+    """Before training: one clear error when completions are to be sampled (`lmbda` > 0, `seq_kd`) and prepared rows
+    have no prompt to sample from (their first token already carries loss), with their count."""
+    if not (args.lmbda > 0 or args.seq_kd) or not hasattr(dataset, "data") or "labels" not in dataset.column_names:
+        return
+    import pyarrow.compute as pc
+
+    labels = dataset.data.column("labels")
+    lengths = pc.list_value_length(labels)
+    first = pc.list_element(pc.filter(labels, pc.greater(lengths, 0)), 0)
+    bare = int(pc.sum(pc.not_equal(first, -100)).as_py() or 0)
+    if bare:
+        raise ValueError(
+            f"Sampled completions (lmbda > 0 or seq_kd) need prompts, and {bare} of the {len(dataset)} prepared train "
+            "rows have none (an empty prompt, or language-modeling text: every token carries loss). Give each row "
+            "a prompt (a prompt-completion or conversational dataset), or filter those rows out.")
+
+
 def split_prompts(input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
     """Each row's prompt: the attended tokens before its first label (a row with no label keeps all its tokens)."""
     prompts = []
