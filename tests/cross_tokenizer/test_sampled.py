@@ -61,6 +61,13 @@ def test_an_on_policy_batch_is_scored_on_the_models_own_logits(tiny_pair, other_
     trainer = DistillationTrainer(tiny_pair["student"], args=args, train_dataset=synthetic_prompt_completion(32))
     trainer.train()
     assert all(v > 0 for k, v in trainer.state.log_history[0].items() if k == "kd_loss")
+    assert_sampled_kd_is_the_models_own(trainer, other_teacher)
+
+
+def assert_sampled_kd_is_the_models_own(trainer, other_teacher) -> None:
+    """On one sampled batch (`trainer`'s own sampler: HF generate or the rollout server): every row aligns, each
+    group's prefix text is the same for both models, and the KD equals the per-group loss on their own logits."""
+    args = trainer.args
     batch = trainer._prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in range(4)]))
     batch, completions = trainer.sampler.sample(STUDENT, batch)
     teacher_ids, teacher_mask, groups, _ = batch["cross_tokenizer_batch"]

@@ -221,9 +221,26 @@ def test_self_distillation_of_a_lora_student_rolls_out_its_merged_weights(rollou
     trainer.train()
     assert probe.versions == [(0, "0"), (1, "1")] and max(probe.gaps) < 1e-4, probe.gaps
     assert all(h["kd_loss"] > 0 for h in trainer.state.log_history if "kd_loss" in h)  # the adapter moved it
+    # on a batch the server samples: the KD is the forward KL at T from the base's (adapters off) and the
+    # student's own logits
+    batch = next(iter(trainer.get_train_dataloader()))
+    batch, _ = trainer.sampler.sample(STUDENT, trainer._prepare_inputs(batch))
+    trainer.model.eval()
+    with torch.no_grad():
+        _, parts = trainer.compute_loss(trainer.model, dict(batch), return_outputs=True)
+        inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+        student = trainer.model(**inputs).logits[:, :-1].double()
+        with trainer.model.disable_adapter():
+            teacher = trainer.model(**inputs).logits[:, :-1].double()
+    keep = batch["labels"][:, 1:] != -100
+    p_log, q_log = (teacher[keep] / 2.0).log_softmax(-1), (student[keep] / 2.0).log_softmax(-1)
+    want = (p_log.exp() * (p_log - q_log)).sum(-1).mean() * 4.0  # T = 2, times T²
+    torch.testing.assert_close(parts["kd_loss"].double(), want, rtol=1e-5, atol=1e-7)
 
 
 def test_a_teacher_of_another_tokenizer_scores_the_servers_rollouts(rollout_server, other_teacher, tmp_path):
+    from tests.cross_tokenizer.test_sampled import assert_sampled_kd_is_the_models_own
+
     trainer = make_trainer(rollout_server, {"teacher": other_teacher}, tmp_path, max_steps=2, alpha=1.0)
     counted, release = [], trainer.teacher.release
     trainer.teacher.release = lambda: (counted.append(dict(trainer.teacher.sampled_rows)), release())
@@ -231,6 +248,7 @@ def test_a_teacher_of_another_tokenizer_scores_the_servers_rollouts(rollout_serv
     logs = [h for h in trainer.state.log_history if "kd_loss" in h]
     assert len(logs) == 2 and all(h["kd_loss"] > 0 and h["on_policy_fraction"] == 1.0 for h in logs)
     assert counted[0]["rows"] == 8 and counted[0]["unaligned"] == 0  # 2 steps x 4 sampled rows, all aligned
+    assert_sampled_kd_is_the_models_own(trainer, other_teacher)  # on a batch the server samples
 
 
 def test_seq_kd_samples_from_the_served_teachers_own_server(served, tmp_path):
