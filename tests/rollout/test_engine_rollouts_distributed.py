@@ -109,3 +109,54 @@ def test_two_processes_roll_out_and_a_served_teacher_scores_each_ranks_rows(roll
     for key, value in expected.items():
         assert logs[1][key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
 
+
+def test_two_processes_self_distil_a_lora_student_on_its_rollouts(rollout_server, tmp_path):
+    """teacher 'self', adapters starting at zero: on the first step's rollouts the student is its base, so the KD is
+    0 and the CE the base's own on the rows each rank sampled."""
+    launch(WORKER, rollout_server["student"], "unused", str(tmp_path), rollout_server["url"], str(free_port()),
+           "self", timeout=600)
+    ranks = read_rank_records(tmp_path / "self")
+    assert ranks[0]["versions"] == ["0", "1", "2"]
+    base = AutoModelForCausalLM.from_pretrained(rollout_server["student"]).eval()
+    expected = first_step_losses(base, base, [r["sampled"]["1"] for r in ranks])
+    logs = {h["step"]: h for h in ranks[0]["log_history"] if "kd_loss" in h}
+    assert logs[1]["kd_loss"] == pytest.approx(0.0, abs=1e-7) and expected["kd_loss"] == pytest.approx(0, abs=1e-7)
+    assert logs[1]["ce_loss"] == pytest.approx(expected["ce_loss"], rel=1e-4)
+    assert logs[3]["kd_loss"] > 1e-6  # the adapters have moved the student off its base
+
+
+def test_two_processes_and_a_zero3_teacher_of_another_tokenizer_score_the_rollouts(rollout_server, other_teacher,
+                                                                                   tmp_path):
+    """The first step's KD: the per-group loss on both models' own logits over the groups each rank aligned,
+    each rank's sum over its loss tokens, averaged over the ranks."""
+    from transformers import AutoTokenizer
+
+    from trl_distill.cross_tokenizer import CrossTokenizerLoss, shared_vocabulary
+    from trl_distill.loss.fused import LossSettings
+
+    launch(WORKER, rollout_server["student"], other_teacher, str(tmp_path), rollout_server["url"], str(free_port()),
+           "cross", timeout=600)
+    ranks = read_rank_records(tmp_path / "cross")
+    student = AutoModelForCausalLM.from_pretrained(rollout_server["student"]).eval()
+    teacher = AutoModelForCausalLM.from_pretrained(other_teacher).eval()
+    s_tok, t_tok = rollout_server["tokenizer"], AutoTokenizer.from_pretrained(other_teacher)
+    vocab = len(s_tok)
+    loss = CrossTokenizerLoss(shared_vocabulary(s_tok, t_tok, student.config.vocab_size, teacher.config.vocab_size),
+                              LossSettings("forward_kl", temperature=2.0, vocab_size=vocab))
+    kd = []
+    for rank in ranks:
+        row = rank["sampled"]["1"]
+        groups = torch.tensor(row["groups"])
+        assert len(groups) >= 4
+        rows, s_pos, t_pos = groups.unbind(1)
+        with torch.no_grad():
+            s = student(input_ids=torch.tensor(row["input_ids"]),
+                        attention_mask=torch.tensor(row["attention_mask"])).logits
+            t = teacher(input_ids=torch.tensor(row["teacher_ids"]),
+                        attention_mask=torch.tensor(row["teacher_mask"])).logits
+        per_group = loss(s[rows, s_pos, :vocab].double(), t[rows, t_pos].double())
+        tokens = int((torch.tensor(row["labels"])[:, 1:] != -100).sum())
+        kd.append(float(per_group.sum()) / tokens * 4.0)  # T = 2, times T²
+    logs = {h["step"]: h for h in ranks[0]["log_history"] if "kd_loss" in h}
+    assert logs[1]["kd_loss"] == pytest.approx(sum(kd) / 2, rel=1e-4, abs=1e-6)
+

@@ -1,9 +1,10 @@
 """2-process on-policy distillation (lmbda=1) with the student's rollouts from a real vLLM server, a ZeRO-3 teacher
 beside the student. Records per rank the first step's sampled rows and the logs into ``<out>/<mode>/rank<k>.json``.
 
-    engine_rollout_worker.py STUDENT TEACHER OUT URL GROUP_PORT zero2|zero3_student|lora|served
+    engine_rollout_worker.py STUDENT TEACHER OUT URL GROUP_PORT zero2|zero3_student|lora|served|self|cross
 
-TEACHER is a directory, or (mode served) the URL of a vLLM server of the teacher.
+TEACHER is a directory (mode cross: one with another tokenizer), or (mode served) the URL of a vLLM server of the
+teacher; mode self ignores it (a LoRA student, adapters starting at zero, distilled from its own base).
 """
 
 import os
@@ -31,11 +32,11 @@ def main():
                             **served),
     )
     peft = None
-    if mode == "lora":
+    if mode in ("lora", "self"):
         from peft import LoraConfig
 
-        peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    trainer = DistillationTrainer(student, None if served else teacher, args=config,
+        peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=mode == "self")
+    trainer = DistillationTrainer(student, None if served else "self" if mode == "self" else teacher, args=config,
                                   train_dataset=synthetic_prompt_completion(32), peft_config=peft)
     record = {"sampled": {}, "versions": []}
     engine, sample = trainer.sampler.engine, trainer.sampler.sample
@@ -45,6 +46,10 @@ def main():
         record["sampled"][str(trainer.state.global_step + 1)] = {
             "input_ids": new["input_ids"].tolist(), "attention_mask": new["attention_mask"].tolist(),
             "labels": new["labels"].tolist()}
+        if "cross_tokenizer_batch" in new:  # the teacher's ids and the aligned groups of the sampled rows
+            teacher_ids, teacher_mask, groups, _ = new["cross_tokenizer_batch"]
+            record["sampled"][str(trainer.state.global_step + 1)].update(
+                teacher_ids=teacher_ids.tolist(), teacher_mask=teacher_mask.tolist(), groups=groups.tolist())
         if rank == 0:
             record["versions"].append(engine.client.weight_version())
         return new, completions
