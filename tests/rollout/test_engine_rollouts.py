@@ -173,6 +173,7 @@ def test_a_served_teacher_scores_the_rollouts(served, rollout_server, tmp_path):
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.distributed  # starts a vLLM server of its own
 def test_a_server_dying_mid_run_stops_with_one_line_and_the_last_checkpoint_kept(tiny_pair, tmp_path):
     """Its own server (the shared one must live on): killed after step 3 of 6, checkpoints every 2 steps."""
     from transformers import TrainerCallback
@@ -187,7 +188,7 @@ def test_a_server_dying_mid_run_stops_with_one_line_and_the_last_checkpoint_kept
     with vllm_server(directory, name="student", rollout=True) as url:
         server = {"url": url, "student": str(directory), "tokenizer": tokenizer}
         trainer = make_trainer(server, tiny_pair, tmp_path, max_steps=6, save_strategy="steps", save_steps=2,
-                               vllm_server_timeout=20)
+                               vllm_server_timeout=60)
         trainer.sampler.engine.client.http.backoff = 0.1
 
         class KillAfterStep3(TrainerCallback):
@@ -277,6 +278,7 @@ def test_seq_kd_samples_from_the_served_teachers_own_server(served, tmp_path):
     assert new["labels"].ne(-100).sum() == sum(len(c) for c in completions)
 
 
+@pytest.mark.distributed  # starts a vLLM server of its own
 def test_a_server_of_another_model_is_one_line_at_the_first_sync(tiny_pair, tmp_path):
     """The tiny pair's student (32 wide) against a server of a 64-wide one with the same tokenizer (its own: a
     failed load may leave a server unusable): the error comes at the first sync, well inside the timeout."""
