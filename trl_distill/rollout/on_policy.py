@@ -177,34 +177,35 @@ class CompletionSampler:
         eos_ids = {tokenizer.eos_token_id}
         kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=True, temperature=args.generation_temperature,
                       top_p=args.generation_top_p, top_k=args.generation_top_k, eos_token_id=sorted(eos_ids))
-        processes = trainer.accelerator.num_processes
-        if source == STUDENT and self.engine is not None:
+        engine = self._engine_for(source)
+        if engine is not None:  # a vLLM server samples: the student's rollout server, or a served teacher's
             prompts = prompts_of(batch)
-            completions, logprobs = self.engine.sample(prompts, sorted(eos_ids))
+            completions, logprobs = engine.sample(prompts, sorted(eos_ids))
             new_batch = completion_batch(prompts, completions, tokenizer.pad_token_id)
-            new_batch[ROLLOUT] = EngineLogprobs(torch.tensor([x for row in logprobs for x in row]))
-            trainer.teacher.score_sampled(new_batch, batch)
-            return new_batch, completions
-        server = trainer.teacher.sampling_server() if source == TEACHER else None
-        if server is not None:  # seq_kd from a served teacher: its server samples
-            if self.teacher_engine is None:
-                self.teacher_engine = EngineRollouts(trainer, server, syncs=False, salt=7919)
-            prompts = prompts_of(batch)
-            completions, _ = self.teacher_engine.sample(prompts, sorted(eos_ids))
-            new_batch = completion_batch(prompts, completions, tokenizer.pad_token_id)
-            trainer.teacher.score_sampled(new_batch, batch)
-            return new_batch, completions
-        if source == STUDENT:
-            model, context = trainer.accelerator.unwrap_model(trainer.model_wrapped), contextlib.nullcontext
-            plugin = trainer.accelerator.state.deepspeed_plugin if trainer.is_deepspeed_enabled else None
-            synced = processes > 1 and plugin is not None and plugin.zero_stage == 3
+            if engine is self.engine:  # the student's own log-probs, as the engine computed them: the loss's gap
+                new_batch[ROLLOUT] = EngineLogprobs(torch.tensor([x for row in logprobs for x in row]))
         else:
-            model, context, synced = trainer.teacher.generation(processes)
-        new_batch, completions = sample_completions(model, batch, kwargs, tokenizer.pad_token_id, eos_ids, synced,
-                                                    context)
-        new_batch = {k: v.to(batch["input_ids"].device) for k, v in new_batch.items()}
+            processes = trainer.accelerator.num_processes
+            if source == STUDENT:
+                model, context = trainer.accelerator.unwrap_model(trainer.model_wrapped), contextlib.nullcontext
+                plugin = trainer.accelerator.state.deepspeed_plugin if trainer.is_deepspeed_enabled else None
+                synced = processes > 1 and plugin is not None and plugin.zero_stage == 3
+            else:
+                model, context, synced = trainer.teacher.generation(processes)
+            new_batch, completions = sample_completions(model, batch, kwargs, tokenizer.pad_token_id, eos_ids,
+                                                        synced, context)
+            new_batch = {k: v.to(batch["input_ids"].device) for k, v in new_batch.items()}
         trainer.teacher.score_sampled(new_batch, batch)
         return new_batch, completions
+
+    def _engine_for(self, source: str) -> EngineRollouts | None:
+        """The vLLM server that samples `source`'s completions, if one does (else HF `generate`)."""
+        if source == STUDENT:
+            return self.engine
+        server = self.trainer.teacher.sampling_server()  # seq_kd from a served teacher: its own server
+        if server is not None and self.teacher_engine is None:
+            self.teacher_engine = EngineRollouts(self.trainer, server, syncs=False, salt=7919)
+        return self.teacher_engine if server is not None else None
 
     def pop_correction(self, inputs: dict) -> RolloutCorrection | None:
         """The engine's log-probs of a sampled batch, for the loss to measure (and, if asked, correct) the gap."""
