@@ -85,3 +85,46 @@ def held_out_loss(student, teacher, tokenizer, rows, *, temperature: float = 2.0
     out = {key: value / tokens for key, value in sums.items()}
     out["loss"] = alpha * out["kd"] + (1 - alpha) * out["ce"] if teacher is not None else out["ce"]
     return out
+
+
+def reference_diagnostics(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, *,
+                          top_k: int | None = None) -> dict[str, Tensor]:
+    """Per loss token, straight from the definitions in float64 (`loss.diagnostics` names): the student's and teacher's
+    logits ``[n, V]`` at the same positions (the teacher's may be a server's top-k, ``(ids, log-probs)``), the
+    labels ``[n]``. ``top_k``: the teacher as its top-k plus one tail bucket (a cache's signal), the student
+    coarse-grained onto the same buckets."""
+    import torch
+
+    if isinstance(teacher_logits, tuple):  # a server's top-k: (ids [n, k], log-probs [n, k]), most likely first
+        ids, top = teacher_logits
+        tail = torch.log1p(-top.double().exp().sum(-1).clamp(max=1))
+        return _bucket_reference(student_logits, ids, top.double(), tail, labels)
+    s, t = (torch.log_softmax(x.double(), -1) for x in (student_logits, teacher_logits))
+    out = {"student_entropy": -(s.exp() * s).sum(-1), "student_ce": -s[torch.arange(len(labels)), labels]}
+    if top_k is None:
+        out["top1_agreement"] = (student_logits.argmax(-1) == teacher_logits.argmax(-1)).double()
+        out["kl_teacher_student"] = (t.exp() * (t - s)).sum(-1)
+        out["teacher_ce"] = -t[torch.arange(len(labels)), labels]
+        out["teacher_entropy"] = -(t.exp() * t).sum(-1)
+        return out
+    top, ids = t.topk(top_k, -1)
+    return _bucket_reference(student_logits, ids, top, (1 - top.exp().sum(-1)).clamp(min=0).log(), labels)
+
+
+def _bucket_reference(student_logits, ids, top, log_tail, labels):
+    import torch
+
+    s = torch.log_softmax(student_logits.double(), -1)
+    out = {"student_entropy": -(s.exp() * s).sum(-1), "student_ce": -s[torch.arange(len(labels)), labels]}
+    tail = log_tail.exp()
+    s_top = s.gather(1, ids).exp()
+    p = torch.cat([top.exp(), tail[:, None]], 1)
+    q = torch.cat([s_top, (1 - s_top.sum(-1)).clamp(min=1e-300)[:, None]], 1)
+    terms = torch.where(p > 0, p * (p.log() - q.log()), 0.0)
+    hit = ids == labels[:, None]
+    out["top1_agreement"] = (student_logits.argmax(-1) == ids[:, 0]).double()
+    out["kl_teacher_student"] = terms.sum(-1)
+    out["teacher_ce"] = -torch.where(hit.any(1), (top * hit).sum(-1), tail.log())
+    out["teacher_entropy"] = -torch.where(p > 0, p * p.log(), 0.0).sum(-1)
+    out["teacher_tail_mass"] = tail
+    return out

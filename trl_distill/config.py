@@ -16,12 +16,13 @@ from .model.precision import settle_precision
 from .rollout.engine_config import EngineRolloutFields, check_engine_args
 from .runtime.deepspeed_config import load_deepspeed_config
 from .runtime.distributed import prepare_cpu_distributed_state
+from .runtime.guards import GuardFields, check_guard_args
 from .runtime.validation import refuse_quantization_without_gpu
 from .teacher.resolve import refuse_unsupported
 
 
 @dataclass
-class DistillationConfig(SFTConfig, EngineRolloutFields):
+class DistillationConfig(SFTConfig, EngineRolloutFields, GuardFields):
     r"""
     Configuration for [`DistillationTrainer`]: every [`trl.SFTConfig`] field, plus the ones below.
 
@@ -252,6 +253,7 @@ class DistillationConfig(SFTConfig, EngineRolloutFields):
                 "the student's engine but not the teacher's. Set per_device_train_batch_size yourself."
             )
         check_engine_args(self)
+        check_guard_args(self)
         refuse_unsupported(self)  # what the run's kind of teacher refuses, where the arguments name both
         for name in ("model_init_kwargs", "teacher_model_init_kwargs"):
             refuse_quantization_without_gpu(getattr(self, name), name)

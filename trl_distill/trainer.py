@@ -3,6 +3,7 @@ a student trained with any ZeRO stage (or without DeepSpeed)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from functools import partial
 
@@ -201,12 +202,12 @@ class DistillationTrainer(SFTTrainer):
 
     def evaluation_loop(self, *args, **kwargs):
         student_plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
-        if student_plugin is None or self.deepspeed is not None or student_plugin.zero_stage == 3:
-            return super().evaluation_loop(*args, **kwargs)
         # Before `train()` the stock loop would build a ZeRO-3 inference engine for the student, which refuses a
         # ZeRO-0/1/2 config. Such a student holds all its weights on every rank: evaluate the module as it is.
-        with compat.deepspeed_hidden_from(self):
-            return super().evaluation_loop(*args, **kwargs)
+        hide = student_plugin is not None and self.deepspeed is None and student_plugin.zero_stage != 3
+        self.metrics.start_evaluation()
+        with compat.deepspeed_hidden_from(self) if hide else contextlib.nullcontext():
+            return self.metrics.finish_evaluation(super().evaluation_loop(*args, **kwargs))
 
     # ---- The teacher once per optimizer step, over all its micro-batches (`teacher.step_pass`) ----
 
@@ -254,7 +255,7 @@ class DistillationTrainer(SFTTrainer):
         if num_items_in_batch is None and self.model.training:
             # a per-micro-batch mean: the Trainer divides the loss by the accumulation steps; log alike
             kd, ce = kd / self.current_gradient_accumulation_steps, ce / self.current_gradient_accumulation_steps
-        self.metrics.record(kd, ce, batch_size=target.shape[0])
+        self.metrics.record(kd, ce, target.shape[0], loss, on_policy=self.model.training and self.sampler.on_policy)
         if return_outputs:
             return loss, {"kd_loss": kd.detach(), "ce_loss": ce.detach()}
         return loss
@@ -279,7 +280,8 @@ class DistillationTrainer(SFTTrainer):
         settings = self.loss_settings
         with gathered(*(p for head in heads for p in head.params)):
             signal = teacher.signal(rows, len(labels), settings)
-            return fused_loss(s_flat, student.head, signal, settings, rows, labels, num_items_in_batch, correction)
+            return fused_loss(s_flat, student.head, signal, settings, rows, labels, num_items_in_batch, correction,
+                              self.metrics.diagnostics())
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = compat.prepare_inputs(self, inputs)
@@ -292,7 +294,6 @@ class DistillationTrainer(SFTTrainer):
         return loss, logits, inputs["labels"]
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self.model.training and "loss" in logs:  # `kd_loss` / `ce_loss` reduced exactly like `loss`
-            self.metrics.log_into(logs)
-            self.sampler.log_into(logs, self.accelerator, self.args.device)
+        if self.model.training and "loss" in logs:  # `kd_loss`, `ce_loss`, the diagnostics, reduced like `loss`
+            self.metrics.log_into(logs)  # and the sampler's, then the collapse guard on them
         super().log(logs, start_time)

@@ -66,6 +66,12 @@ class SharedVocabulary:
     def size(self) -> int:
         return int(self.student.numel())
 
+    def teacher_partner(self, student_width: int) -> Tensor:
+        """Per student id ``[student_width]``: the teacher id with its bytes, -1 where none has them."""
+        partner = torch.full((student_width,), -1, dtype=torch.long)
+        keep = self.student < student_width
+        return partner.index_copy_(0, self.student[keep], self.teacher[keep])
+
 
 def shared_vocabulary(student_tokenizer, teacher_tokenizer, student_width: int | None = None,
                       teacher_width: int | None = None) -> SharedVocabulary:

@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..model.fused_forward import LMHead, finalise_logits
+from .diagnostics import LossDiagnostics, observe_dense
 from .divergences import DIVERGENCES, at_temperature, check_divergence, normalise_sum
 
 if TYPE_CHECKING:
@@ -142,6 +143,11 @@ class DenseTeacherSignal:
     def per_token(student_logp: Tensor, teacher_logp: Tensor, settings: LossSettings) -> Tensor:
         return settings.per_token(student_logp, teacher_logp)
 
+    @staticmethod
+    def observe(into: LossDiagnostics, rows: slice, logits: Tensor, teacher_logp: Tensor, labels: Tensor | None,
+                settings: LossSettings) -> None:
+        observe_dense(into, logits, teacher_logp, labels, settings.temperature)
+
 
 class _ChunkedDistillation(torch.autograd.Function):
     """Fused ``hidden @ W.T`` -> divergence (+ CE); gradients are computed chunk by chunk inside ``forward``.
@@ -167,6 +173,7 @@ class _ChunkedDistillation(torch.autograd.Function):
         chunk_size: int,
         grad_enabled: bool,  # the caller's grad mode (needs_input_grad ignores it)
         correction: RolloutCorrection | None,  # the rollout engine's log-probs of the rows' tokens (with labels)
+        diagnostics: LossDiagnostics | None,  # filled with agreement, KL at T = 1, CEs, entropies (`diagnostics`)
     ) -> tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)
         h_s = s_hidden if rows is None else s_hidden.index_select(0, rows)
@@ -206,6 +213,10 @@ class _ChunkedDistillation(torch.autograd.Function):
             with torch.set_grad_enabled(want_grad):
                 raw.requires_grad_(want_grad)
                 logits = finalise_logits(raw, scale, softcap)
+                if diagnostics is not None:  # before the closed form, which overwrites the signal
+                    with torch.no_grad():
+                        teacher.observe(diagnostics, rows_c, logits.detach(), signal,
+                                        labels[rows_c] if has_ce else None, settings)
                 w = None  # per-row weights (an importance-sampling correction of rollouts), else 1
                 if correction is not None and has_ce:
                     with torch.no_grad():
@@ -267,7 +278,7 @@ class _ChunkedDistillation(torch.autograd.Function):
         grad_h = combine(gh_kd, gh_ce)
         if grad_h is not None and rows is not None:
             grad_h = grad_h.new_zeros(ctx.hidden_shape).index_copy_(0, rows, grad_h)
-        return grad_h, combine(gw_kd, gw_ce), combine(gb_kd, gb_ce), *([None] * 10)
+        return grad_h, combine(gw_kd, gw_ce), combine(gb_kd, gb_ce), *([None] * 11)
 
 
 def select_loss_rows(
@@ -302,6 +313,7 @@ def fused_loss(
     labels: Tensor | None = None,
     num_items_in_batch: int | Tensor | None = None,
     correction: RolloutCorrection | None = None,
+    diagnostics: LossDiagnostics | None = None,
 ) -> DistillationLossOutput:
     """KD (and CE with ``labels``) over the selected ``rows`` of ``student_states`` ``[N, F]``, a chunk at a time.
 
@@ -309,7 +321,8 @@ def fused_loss(
     signal over the same rows, in order (`DenseTeacherSignal`, `sparse_losses.SparseSignalChunks`). Both terms are
     sums over the rows / ``num_items_in_batch`` (else / the row count), in >= fp32, without T² scaling.
     ``correction`` (rows sampled by a rollout engine, with ``labels``): records each row's trainer-vs-engine
-    log-prob gap and, with its cap, weights each row's KD and CE (`loss.rollout_correction`).
+    log-prob gap and, with its cap, weights each row's KD and CE (`loss.rollout_correction`). ``diagnostics``: the
+    teacher signal adds each chunk's agreement, KL at T = 1, CEs and entropies to it (`loss.diagnostics`).
     """
     v_s, h_dim = head_shape(student_states, student_head)
     if student_states.shape[-1] != h_dim:
@@ -325,7 +338,10 @@ def fused_loss(
     weight = None if student_head is None else student_head.weight
     bias = None if student_head is None else student_head.bias
     kd_sum, ce_sum = _ChunkedDistillation.apply(student_states, weight, bias, rows, labels, teacher, settings,
-                                                student_head, vocab, chunk, torch.is_grad_enabled(), correction)
+                                                student_head, vocab, chunk, torch.is_grad_enabled(), correction,
+                                                diagnostics)
+    if diagnostics is not None and hasattr(teacher, "observe_batch"):
+        teacher.observe_batch(diagnostics)
     kd = normalise_sum(kd_sum, n, num_items_in_batch)
     ce = normalise_sum(ce_sum, n, num_items_in_batch) if labels is not None else None
     return DistillationLossOutput(kd, ce)

@@ -17,6 +17,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     import torch
 
+    from .diagnostics import LossDiagnostics
     from .fused import LossSettings
 
 
@@ -32,3 +33,9 @@ class TeacherSignal(Protocol):
 
     def per_token(self, student_logp: Tensor, chunk: Any, settings: LossSettings) -> Tensor:
         """The divergence per row ``[c]`` between this chunk and the student's log-probs ``[c, V]``."""
+
+    def observe(self, into: LossDiagnostics, rows: slice, logits: Tensor, chunk: Any, labels: Tensor | None,
+                settings: LossSettings) -> None:
+        """Add this chunk's metrics (`loss.diagnostics`) to `into`, from the student's logits ``[c, V_s]`` at T = 1,
+        before `per_token` (which may overwrite the chunk). A signal may also have ``observe_batch(into)``, called
+        once per batch after the chunks."""

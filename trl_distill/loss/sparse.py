@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .diagnostics import LossDiagnostics, observe_buckets
 from .divergences import at_temperature
 from .fused import LossSettings
 
@@ -88,3 +89,10 @@ class SparseSignalChunks:
     def per_token(student_logp: Tensor, chunk: tuple[Tensor, Tensor], settings: LossSettings) -> Tensor:
         ids, teacher_buckets = chunk
         return settings.per_token(bucketed(student_logp, ids), teacher_buckets.to(student_logp.dtype))
+
+    @staticmethod
+    def observe(into: LossDiagnostics, rows: slice, logits: Tensor, chunk: tuple[Tensor, Tensor],
+                labels: Tensor | None, settings: LossSettings) -> None:
+        ids, teacher_buckets = chunk
+        observe_buckets(into, logits, ids, teacher_buckets, labels, settings.temperature, _EMPTY_LOG_PROB,
+                        bucketed)

@@ -103,6 +103,16 @@ def completion_batch(prompts: list[torch.Tensor], completions: list[torch.Tensor
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def repeated_ngrams(tokens: list[int], n: int = 4) -> tuple[int, int]:
+    """``(n-grams, repeats)`` of one completion: its n-grams, and how many of them already occurred in it."""
+    seen, repeats = set(), 0
+    for i in range(len(tokens) - n + 1):
+        gram = tuple(tokens[i : i + n])
+        repeats += gram in seen
+        seen.add(gram)
+    return max(len(tokens) - n + 1, 0), repeats
+
+
 def trim_after_eos(generated: torch.Tensor, eos_ids: set[int]) -> list[torch.Tensor]:
     """Each row's new tokens up to and including its first end-of-sequence token."""
     out = []
@@ -148,7 +158,8 @@ class CompletionSampler:
 
     def __init__(self, trainer):
         self.trainer = trainer
-        self.stats = dict.fromkeys(("micro_steps", "on_policy", "rows", "tokens"), 0)
+        self.stats = dict.fromkeys(("micro_steps", "on_policy", "rows", "tokens", "ended", "ngrams", "repeated"), 0)
+        self.on_policy = False  # whether the current micro-batch's completions are the student's own samples
         self.engine = EngineRollouts(trainer) if trainer.args.use_vllm else None  # the rollout server
         self.teacher_engine = None  # a served teacher's server, sampling for seq_kd
         self.since = time.perf_counter()  # the start of the span the next log covers
@@ -162,12 +173,19 @@ class CompletionSampler:
         trainer, args = self.trainer, self.trainer.args
         source = completion_source(args.lmbda, args.seq_kd, args.seed, trainer.state.global_step)
         self.stats["micro_steps"] += 1
+        self.on_policy = source == STUDENT
         if source == DATASET:
             return inputs, False
         inputs, completions = self.sample(source, prepare_inputs(trainer, inputs))
         self.stats["on_policy"] += source == STUDENT
         self.stats["rows"] += len(completions)
         self.stats["tokens"] += sum(len(c) for c in completions)
+        tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+        self.stats["ended"] += sum(len(c) > 0 and int(c[-1]) == tokenizer.eos_token_id for c in completions)
+        for completion in completions:
+            grams, repeated = repeated_ngrams(completion.tolist())
+            self.stats["ngrams"] += grams
+            self.stats["repeated"] += repeated
         return inputs, True
 
     def sample(self, source: str, batch: dict) -> tuple[dict, list[torch.Tensor]]:
@@ -230,9 +248,13 @@ class CompletionSampler:
         engine = self.engine.take_stats() if self.engine is not None else []
         span, self.since = time.perf_counter() - self.since, time.perf_counter()
         stats = torch.tensor([float(v) for v in self.stats.values()] + engine + [span], device=device)
-        micro_steps, on_policy, rows, tokens, *engine, span = accelerator.reduce(stats, reduction="sum").tolist()
+        micro_steps, on_policy, rows, tokens, ended, grams, repeated, *engine, span = \
+            accelerator.reduce(stats, reduction="sum").tolist()
         logs["on_policy_fraction"] = on_policy / max(micro_steps, 1)
         logs["generated_length"] = tokens / max(rows, 1)
+        if rows:
+            logs["generated_eos_rate"] = ended / rows
+            logs["generated_repetition_rate"] = repeated / max(grams, 1)
         self.stats = dict.fromkeys(self.stats, 0)
         if engine:  # summed over ranks: the shares are of every rank's time together
             generate, sync, rows, tokens, ended, logprob, abs_gap, gap, scored = engine

@@ -1,6 +1,8 @@
 """`kd_loss` and `ce_loss` beside the Trainer's `loss`, reduced exactly like it (summed per optimizer step, averaged
-over ranks and steps between logs; per sample in evaluation), and the callback that starts their count with
-training (after a resume, at the checkpoint) and releases what the teacher holds at its end."""
+over ranks and steps between logs; per sample in evaluation); the fused loss's diagnostics (`loss.diagnostics`:
+agreement, KL, CEs, entropies), token means over every rank's loss tokens since the last log (over the whole set in
+evaluation); and the callback that starts their count with training (after a resume, at the checkpoint), checks
+the teacher at the first step and releases what the teacher holds at its end."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ import torch
 from transformers import TrainerCallback
 
 from .. import compat
+from ..loss.diagnostics import INTERNAL, LossDiagnostics
 from .deepspeed_config import print_engine_configs
+from .guards import Guards
 
 
 class DistillMetrics:
@@ -18,10 +22,28 @@ class DistillMetrics:
         self.trainer = trainer
         self.sums = {"kd_loss": 0.0, "ce_loss": 0.0}
         self.last_logged_step = 0
+        self.guards = Guards(trainer)
+        self.window = LossDiagnostics(trainer.args.device)  # training: since the last log
+        self.evaluated = LossDiagnostics(trainer.args.device)  # evaluation: the whole set
+        self.pending: LossDiagnostics | None = None  # the current micro-batch's, filled by the fused loss
 
-    def record(self, kd: torch.Tensor, ce: torch.Tensor, batch_size: int) -> None:
-        trainer = self.trainer
+    def diagnostics(self) -> LossDiagnostics | None:
+        """A fresh accumulator for the fused loss of one micro-batch (None when the metrics are off)."""
+        self.pending = LossDiagnostics(self.trainer.args.device) if self.trainer.args.log_distill_metrics else None
+        return self.pending
+
+    def record(self, kd: torch.Tensor, ce: torch.Tensor, batch_size: int, loss: torch.Tensor,
+               on_policy: bool = False) -> None:
+        """After one micro-batch's loss: its terms, its diagnostics (`on_policy`: the student sampled its
+        completions) and, in training, the non-finite guard (collective)."""
+        trainer, pending, self.pending = self.trainer, self.pending, None
+        if pending is not None and on_policy:
+            pending.copy_as("teacher_ce", "on_policy_teacher_logprob", sign=-1.0)
+            pending.copy_as("student_entropy", "on_policy_student_entropy")
+        if pending is not None:
+            (self.window if trainer.model.training else self.evaluated).merge(pending)
         if trainer.model.training:
+            self.guards.check_loss(loss)
             self.sums["kd_loss"] += kd.detach()
             self.sums["ce_loss"] += ce.detach()
             return
@@ -31,7 +53,8 @@ class DistillMetrics:
             compat.eval_metric_values(trainer, name).extend(values.tolist())
 
     def log_into(self, logs: dict[str, float]) -> None:
-        """Add the means since the last log to a training log (collective: every rank logs)."""
+        """Add the means since the last log to a training log, and the sampler's (collective: every rank logs); then
+        the collapse guard on them."""
         trainer = self.trainer
         steps = max(trainer.state.global_step - self.last_logged_step, 1)
         for name, total in self.sums.items():
@@ -39,10 +62,41 @@ class DistillMetrics:
             logs[name] = trainer.accelerator.gather(total.reshape(1)).mean().item() / steps
             self.sums[name] = 0.0
         self.last_logged_step = trainer.state.global_step
+        if trainer.args.log_distill_metrics:
+            logs.update(self.reduced(self.window))
+            self.window.reset()
+        trainer.sampler.log_into(logs, trainer.accelerator, trainer.args.device)
+        self.guards.check_collapse(logs)  # the same numbers on every rank
+
+    def reduced(self, diagnostics: LossDiagnostics, internal: bool = False) -> dict[str, float]:
+        """Token means over every rank (collective)."""
+        totals = torch.cat([diagnostics.sums, diagnostics.counts])
+        if self.trainer.accelerator.num_processes > 1:
+            totals = self.trainer.accelerator.reduce(totals, reduction="sum")
+        means = diagnostics.means(*totals.chunk(2))
+        return means if internal else {k: v for k, v in means.items() if k not in INTERNAL}
+
+    def start_evaluation(self) -> None:
+        self.evaluated.reset()
+
+    def finish_evaluation(self, output):
+        """After an evaluation loop (collective): its diagnostics, averaged by SFTTrainer's `log` like `kd_loss`."""
+        if self.trainer.args.log_distill_metrics:
+            for name, value in self.reduced(self.evaluated).items():
+                compat.eval_metric_values(self.trainer, name)[:] = [value]
+        return output
+
+    def check_first_step(self, step: int) -> None:
+        """At the end of a fresh run's first optimizer step (collective): the teacher-vs-student CE warning."""
+        if step == 1 and self.last_logged_step == 0 and self.trainer.args.log_distill_metrics:
+            means = self.reduced(self.window, internal=True)
+            if self.trainer.accelerator.is_main_process:
+                self.guards.check_teacher(means)
 
     def restart(self, step: int) -> None:
         self.last_logged_step = step
         self.sums = dict.fromkeys(self.sums, 0.0)
+        self.window.reset()
 
 
 class TrainingBounds(TrainerCallback):
@@ -59,6 +113,9 @@ class TrainingBounds(TrainerCallback):
             print_engine_configs(trainer.accelerator, trainer.teacher.config_notes)
         self.configs_printed = True
         trainer.metrics.restart(state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.metrics.check_first_step(state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.trainer.teacher.release()

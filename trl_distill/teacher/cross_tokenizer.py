@@ -20,6 +20,7 @@ from ..cross_tokenizer.data import align_example, teacher_prompt_ids
 from ..cross_tokenizer.loss import CrossTokenizerLoss, divergence_at_temperature
 from ..cross_tokenizer.sampled import align_sampled
 from ..cross_tokenizer.vocabulary import shared_vocabulary
+from ..loss.diagnostics import LossDiagnostics, observe_groups
 from ..loss.divergences import at_temperature
 from ..loss.fused import LossSettings
 from ..runtime.validation import check_teacher_finite
@@ -186,7 +187,12 @@ class CrossTokenizerTeacher(LiveTeacher):
         n = int(mask.sum())
         laid = states.new_zeros(n, states.shape[-1]).index_copy_(0, index, states)
         is_group = torch.zeros(n, dtype=torch.bool, device=laid.device).index_fill_(0, index, True)
-        return CrossRows(laid, is_group, features.head, self.loss)
+        teacher_ids = batch[0]  # the teacher's own next token after each group's position
+        own = teacher_ids[rows, (t_pos + 1).clamp(max=teacher_ids.shape[1] - 1)]
+        teacher_labels = torch.full((n,), -100, dtype=torch.long, device=laid.device).index_copy_(0, index, own)
+        shares = torch.tensor([index.numel(), n, torch.unique(rows).numel(), int(mask.any(1).sum())],
+                              dtype=torch.float64)  # aligned groups of loss tokens, aligned rows of rows
+        return CrossRows(laid, is_group, features.head, self.loss, teacher_labels, shares)
 
 
 class CrossTokenizerCollator:
@@ -218,8 +224,10 @@ class CrossRows:
     """The teacher's last hidden states (or own logits, on the exact path) laid onto the loss's rows; zeros, and
     ``is_group`` False, on rows no group starts at (a `base.TeacherBatch`)."""
 
-    def __init__(self, states: torch.Tensor, is_group: torch.Tensor, head, loss: CrossTokenizerLoss):
+    def __init__(self, states: torch.Tensor, is_group: torch.Tensor, head, loss: CrossTokenizerLoss,
+                 teacher_labels: torch.Tensor, shares: torch.Tensor):
         self.states, self.is_group, self.head, self.loss = states, is_group, head, loss
+        self.teacher_labels, self.shares = teacher_labels, shares
 
     def signal(self, rows: torch.Tensor | None, n: int, settings: LossSettings) -> CrossTokenizerSignal:
         if self.states.shape[0] != n:
@@ -245,6 +253,16 @@ class CrossTokenizerSignal:
         is_group, teacher_scaled = chunk
         matched, uld = divergence_at_temperature(student_logp, teacher_scaled, self.loss.vocabulary, settings)
         return torch.where(is_group, self.loss.combine(matched, uld), 0.0)
+
+    def observe(self, into: LossDiagnostics, rows: slice, logits: torch.Tensor, chunk, labels, settings) -> None:
+        is_group, teacher_scaled = chunk
+        observe_groups(into, logits, teacher_scaled, is_group, self.rows.teacher_labels[rows], self.loss.vocabulary,
+                       self.temperature)
+
+    def observe_batch(self, into: LossDiagnostics) -> None:
+        groups, tokens, aligned_rows, rows = self.rows.shares.tolist()
+        into.add("aligned_token_share", torch.tensor(groups), tokens)
+        into.add("aligned_row_share", torch.tensor(aligned_rows), rows)
 
 
 def pop_cross_batch(inputs: dict) -> tuple | None:

@@ -1,0 +1,114 @@
+"""The guards of a running distillation, each one clear stop or warning with its threshold a config field:
+
+- a non-finite student loss stops every rank before its backward (the last complete checkpoint is kept);
+- on-policy collapse (the student's samples repeat themselves, or its entropy on them vanishes, for
+  ``collapse_patience`` logging steps in a row) stops with the numbers;
+- a teacher whose cross-entropy on the data is worse than the untrained student's at the first step is a warning
+  (a wrong teacher, or data it was not trained for).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import ExternalError
+
+logger = logging.getLogger("trl_distill")
+
+
+class TrainingStopped(ExternalError):
+    """A guard stopped the run (a non-finite loss, a collapsed on-policy student); the message has the numbers."""
+
+
+@dataclass
+class GuardFields:
+    """`DistillationConfig` fields: what the run logs beside its loss, and when it stops itself."""
+
+    log_distill_metrics: bool = field(default=True, metadata={
+        "help": "Log top1_agreement, kl_teacher_student, teacher_ce, the entropies (and, per teacher kind, its tail "
+        "mass or aligned share) at every logging step and in evaluate(), measured inside the fused loss."})
+    stop_on_nonfinite_loss: bool = field(default=True, metadata={
+        "help": "Stop every rank, before the backward, when the student's loss is NaN or inf on any rank (the last "
+        "complete checkpoint is kept)."})
+    collapse_max_repetition: float = field(default=0.9, metadata={
+        "help": "On-policy: stop when the share of repeated 4-grams in the student's samples (generated_"
+        "repetition_rate) is above this for collapse_patience logging steps in a row. 1 turns it off."})
+    collapse_min_entropy: float = field(default=0.02, metadata={
+        "help": "On-policy: stop when the student's mean entropy (nats) on its own samples "
+        "(on_policy_student_entropy) is below this for collapse_patience logging steps in a row. 0 turns it off."})
+    collapse_patience: int = field(default=3, metadata={
+        "help": "Consecutive logging steps past a collapse bound before the run stops."})
+    teacher_ce_margin: float = field(default=0.0, metadata={
+        "help": "Warn at the first step when the teacher's cross-entropy on the data exceeds the untrained "
+        "student's by more than this (nats): a wrong teacher, or data it does not know."})
+
+
+def check_guard_args(args) -> None:
+    """One clear error for guard settings that cannot work, as the config is built."""
+    if not 0 <= args.collapse_max_repetition <= 1:
+        raise ValueError(f"collapse_max_repetition must be in [0, 1] (1 turns the guard off), got "
+                         f"{args.collapse_max_repetition}.")
+    if args.collapse_min_entropy < 0 or args.collapse_patience < 1:
+        raise ValueError(f"collapse_min_entropy must be >= 0 (0 turns the guard off) and collapse_patience >= 1, got "
+                         f"{args.collapse_min_entropy} and {args.collapse_patience}.")
+
+
+class Guards:
+    """The three guards of one trainer."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.collapsed_logs = 0  # consecutive logging steps past a collapse bound
+
+    def check_loss(self, loss: torch.Tensor) -> None:
+        """Before the backward: stop on every rank when any rank's loss is not finite (collective)."""
+        trainer = self.trainer
+        if not trainer.args.stop_on_nonfinite_loss:
+            return
+        bad = (~torch.isfinite(loss.detach())).float().reshape(1)
+        if trainer.accelerator.num_processes > 1:
+            bad = trainer.accelerator.reduce(bad, reduction="sum")
+        if bad.item() > 0:
+            raise TrainingStopped(
+                f"The student's loss is not finite ({float(loss):g} on rank {trainer.args.process_index}; not finite "
+                f"on {int(bad.item())} of {trainer.accelerator.num_processes} ranks) at step "
+                f"{trainer.state.global_step + 1}; nothing of this step was applied. Lower the learning "
+                "rate (or add warmup / max_grad_norm), check the data, and resume from the last complete checkpoint; "
+                "stop_on_nonfinite_loss=False trains on.")
+
+    def check_collapse(self, logs: dict[str, float]) -> None:
+        """After a training log (the same numbers on every rank): stop after `collapse_patience` collapsed logs."""
+        args = self.trainer.args
+        repetition = logs.get("generated_repetition_rate")
+        entropy = logs.get("on_policy_student_entropy")
+        if repetition is None and entropy is None:
+            return
+        repeats = repetition is not None and args.collapse_max_repetition < 1 and \
+            repetition > args.collapse_max_repetition
+        flat = entropy is not None and entropy < args.collapse_min_entropy
+        self.collapsed_logs = self.collapsed_logs + 1 if repeats or flat else 0
+        if self.collapsed_logs >= args.collapse_patience:
+            raise TrainingStopped(
+                f"On-policy collapse: for {self.collapsed_logs} logging steps in a row up to step "
+                f"{self.trainer.state.global_step} the student's samples "
+                + (f"repeat themselves (generated_repetition_rate {repetition:.3f} > collapse_max_repetition "
+                   f"{args.collapse_max_repetition})" if repeats else
+                   f"have entropy {entropy:.4f} < collapse_min_entropy {args.collapse_min_entropy}")
+                + ". Lower the learning rate or lmbda, raise generation_temperature, or start from an SFT-trained "
+                "student; the last complete checkpoint is kept.")
+
+    def check_teacher(self, means: dict[str, float]) -> None:
+        """At the first step of a fresh run (rank 0): warn when the teacher's CE is worse than the student's."""
+        teacher, student = means.get("teacher_ce"), means.get("student_ce")
+        if teacher is None or student is None or not math.isfinite(teacher):
+            return
+        if teacher > student + self.trainer.args.teacher_ce_margin:
+            logger.warning(
+                "trl_distill: at the first step the teacher's cross-entropy on the training data is %.4f, the "
+                "untrained student's %.4f: the teacher predicts this data worse than the student it teaches. A "
+                "wrong teacher, or data it was not trained for? (teacher_ce_margin=%g)", teacher, student,
+                self.trainer.args.teacher_ce_margin)
