@@ -11,7 +11,8 @@
    `accelerate launch --config_file configs/accelerate/zero2_student_zero3_teacher.yaml -m trl_distill
    --config configs/recipes/quickstart.yaml ...`.
 4. Prints, on the held-out topics: KL(teacher‖student), top-1 agreement with the teacher and the student's
-   cross-entropy, before and after (and the teacher's own cross-entropy for reference).
+   cross-entropy, before and after (and the teacher's own cross-entropy for reference), and writes the run's
+   report (`trl-distill report`): ``distilled/report.png`` (its curves) and ``distilled/report.md``.
 """
 
 import argparse
@@ -28,6 +29,7 @@ from transformers import AutoModelForCausalLM
 from trl import SFTConfig, SFTTrainer
 
 from trl_distill import divergence
+from trl_distill.report import write_report
 from trl_distill.runtime.distributed import free_port
 from trl_distill.testing import build_tiny_model, build_tokenizer
 
@@ -84,6 +86,7 @@ def main():
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--teacher_steps", type=int, default=300)
     parser.add_argument("--distill_steps", type=int, default=None, help="default: the recipe's max_steps")
+    parser.add_argument("--logging_steps", type=int, default=None, help="default: the recipe's logging_steps")
     args = parser.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     start = time.time()
@@ -108,6 +111,8 @@ def main():
     ]
     if args.distill_steps is not None:
         cmd += ["--max_steps", str(args.distill_steps)]
+    if args.logging_steps is not None:
+        cmd += ["--logging_steps", str(args.logging_steps)]
     subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     print(f"      distilled; {time.time() - start:.0f} s so far")
@@ -122,6 +127,8 @@ def main():
           f"(teacher {math.exp(after['teacher_ce']):.1f}); distilled student saved to {paths['distilled']}")
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump({"before": before, "after": after, "seconds": time.time() - start}, f, indent=2)
+    picture, text = write_report(paths["distilled"])  # what `trl-distill report OUT` writes
+    print(f"the run's curves: {picture} (summary: {text})")
     print(f"quickstart finished in {time.time() - start:.0f} s")
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from report_checks import check_picture, check_summary
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_distill.testing import launch
@@ -41,8 +42,13 @@ def test_bundled_corpus_is_split_by_topic():
 @pytest.mark.distributed
 def test_quickstart_runs_end_to_end(tmp_path):
     out = tmp_path / "qs"
-    subprocess.run([sys.executable, str(EXAMPLES / "quickstart.py"), "--output_dir", str(out), "--teacher_steps", "4",
-                    "--distill_steps", "2"], check=True, capture_output=True, timeout=600)
+    done = subprocess.run([sys.executable, str(EXAMPLES / "quickstart.py"), "--output_dir", str(out), "--teacher_steps",
+                           "4", "--distill_steps", "2", "--logging_steps", "1"], check=True, capture_output=True,
+                          text=True, timeout=600)
+    # It ends with the run's report (`trl-distill report`): the picture of its logged curves, and their numbers.
+    assert f"the run's curves: {out / 'distilled' / 'report.png'}" in done.stdout
+    check_picture(out / "distilled" / "report.png", ["loss", "agreement", "KL"])
+    assert check_summary(out / "distilled" / "report.md", out / "distilled" / "trainer_state.json") == 8
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["before"]) == {"kl_to_teacher", "top1_agreement", "student_ce", "teacher_ce"}
     assert all(math.isfinite(v) for v in summary["after"].values())

@@ -13,13 +13,8 @@ from trl import SFTTrainer
 
 from . import compat  # the private library APIs we use, each in one named function
 from .config import DistillationConfig, as_distillation_config
+from .data import prepare
 from .data.batch import loss_tokens
-from .data.prepare import (
-    drop_unanswered_conversations,
-    log_skipped_rows,
-    resolve_assistant_only_loss,
-    student_tokenizer,
-)
 from .loss.fused import LossSettings, fused_loss, select_loss_rows
 from .model.fused_forward import LossFeatures, add_fused_distillation_forward, gathered
 from .model.logit_check import settle_logit_paths_by_inputs
@@ -82,9 +77,9 @@ class DistillationTrainer(SFTTrainer):
                                        eval_dataset=eval_dataset, peft_config=peft_config)  # the one teacher source
         processing_class = processing_class or self.teacher.student_tokenizer
         if args.assistant_only_loss is None:
-            processing_class = processing_class or student_tokenizer(model, train_dataset)
-            args.assistant_only_loss = resolve_assistant_only_loss(None, train_dataset, processing_class)
-        train_dataset = drop_unanswered_conversations(train_dataset, args.assistant_only_loss)
+            processing_class = processing_class or prepare.student_tokenizer(model, train_dataset)
+            args.assistant_only_loss = prepare.resolve_assistant_only_loss(None, train_dataset, processing_class)
+        train_dataset = prepare.drop_unanswered_conversations(train_dataset, args.assistant_only_loss)
         output_dir_existed = os.path.exists(args.output_dir)
         super().__init__(  # SFTTrainer's own arguments, as given
             model, args=args, data_collator=data_collator, train_dataset=train_dataset, eval_dataset=eval_dataset,
@@ -94,7 +89,7 @@ class DistillationTrainer(SFTTrainer):
             formatting_func=formatting_func,
         )
         if self.accelerator.is_main_process:
-            log_skipped_rows(train_dataset, self.train_dataset, args)
+            prepare.log_skipped_rows(train_dataset, self.train_dataset, args)
         if self.aux_loss_enabled:
             raise ValueError(
                 "A Mixture-of-Experts student with a router load-balancing loss is not supported yet: the "
@@ -158,15 +153,16 @@ class DistillationTrainer(SFTTrainer):
     def resume_point(self, resume_from_checkpoint: str | bool | None) -> str | bool | None:
         """The checkpoint to resume (the newest complete one for True), refused when another distillation set-up
         or process count wrote it (`checkpoints.check_resume`)."""
-        return resume_point(resume_from_checkpoint, self.args.output_dir, self._run_record(),
+        return resume_point(resume_from_checkpoint, self.args.output_dir, self.run_record(),
                             self.args.resume_allow_changes)
 
-    def _run_record(self) -> dict:
+    def run_record(self) -> dict:
+        """What this run records of itself in checkpoints and reports: teacher, settings, processes, student."""
         return run_record(self.args, self.teacher.name, self.accelerator.num_processes, self.is_deepspeed_enabled,
                           self.student_identity)
 
     def _save_checkpoint(self, model, trial):
-        save_complete_checkpoint(self, super()._save_checkpoint, model, trial, self._run_record())
+        save_complete_checkpoint(self, super()._save_checkpoint, model, trial, self.run_record())
 
     @property
     def loss_settings(self) -> LossSettings:

@@ -9,6 +9,7 @@
     trl-distill --teacher_server URL [the training flags]           # the teacher served by vLLM (`vllm serve`)
     trl-distill vllm-serve --model STUDENT --port 8000              # the student's rollout server, then:
     trl-distill --lmbda 1 --use_vllm --vllm_server_port 8000 [the training flags]   # on-policy, vLLM samples
+    trl-distill report OUT                                          # OUT/report.png and report.md: the curves
 
 Runs under `accelerate launch --config_file configs/...yaml`, `torchrun` and plain `python -m trl_distill`. Every
 command parses dataclasses with transformers' `HfArgumentParser` (TRL's `TrlParser` for training, so every
@@ -25,7 +26,8 @@ from .train import build_trainer, make_parser
 __all__ = ["build_trainer", "main", "make_parser"]
 
 # `trl-distill NAME ...`: the tools beside training, each a module of this package with `main(argv)`
-SUBCOMMANDS = {"merge": "merge", "plan": "plan", "cache-teacher": "cache_teacher", "vllm-serve": "vllm_serve"}
+SUBCOMMANDS = {"merge": "merge", "plan": "plan", "cache-teacher": "cache_teacher", "vllm-serve": "vllm_serve",
+               "report": "report"}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..report.history import write_run_record
 from .errors import errors_as_messages, faults_as_messages
 
 
@@ -119,5 +120,9 @@ def main(argv: list[str]) -> None:
     with faults_as_messages():  # an expected fault from here on is one line too (a full disk, a dead server)
         trainer.train(resume_from_checkpoint=resume)
         trainer.save_model(training_args.output_dir)
+        trainer.save_state()  # trainer_state.json, and our run record beside it: what `trl-distill report` reads
+        if trainer.accelerator.is_main_process:
+            write_run_record(training_args.output_dir, trainer.run_record())
     if trainer.accelerator.is_main_process:  # global rank 0, the one that wrote it
-        print(f"Distilled student saved to {training_args.output_dir}")
+        print(f"Distilled student saved to {training_args.output_dir}; its curves: trl-distill report "
+              f"{training_args.output_dir}")

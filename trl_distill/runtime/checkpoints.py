@@ -53,7 +53,7 @@ def is_complete(checkpoint: str) -> bool:
     return all(present.get(name) == size for name, size in recorded.items())
 
 
-def _checkpoints(output_dir: str) -> list[str]:
+def checkpoints_newest_first(output_dir: str) -> list[str]:
     """`checkpoint-N` directories under `output_dir`, newest (highest N) first."""
     if not os.path.isdir(output_dir):
         return []
@@ -97,7 +97,7 @@ def resolve_resume(resume_from_checkpoint: str | bool | None, output_dir: str) -
     """
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
         return resume_from_checkpoint
-    candidates = _checkpoints(output_dir)
+    candidates = checkpoints_newest_first(output_dir)
     usable = [c for c in candidates if resumable(c)]
     if resume_from_checkpoint is True:
         incomplete = [os.path.basename(c) for c in candidates[: candidates.index(usable[0]) if usable else None]]

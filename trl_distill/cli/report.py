@@ -1,0 +1,19 @@
+"""`trl-distill report OUTPUT_DIR [--into DIR]`: a run's curves (``report.png``) and summary (``report.md``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .errors import errors_as_messages
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="trl-distill report", description=__doc__)
+    parser.add_argument("output_dir", help="the run's output_dir (its trainer_state.json, or its checkpoints')")
+    parser.add_argument("--into", default=None, help="where to write report.png and report.md (default: output_dir)")
+    args = parser.parse_args(argv)
+    with errors_as_messages():
+        from ..report import write_report
+
+        picture, text = write_report(args.output_dir, args.into)
+    print(f"Report written: {picture} and {text}")
