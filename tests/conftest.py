@@ -93,6 +93,7 @@ def rollout_server(tmp_path_factory) -> dict:
 
 # Fixtures that launch several processes: a test using one is a multi-process test, marked or not
 MULTI_PROCESS_FIXTURES = {"zero2_zero3_runs", "lora_runs", "bf16_and_fp32_runs", "runs", "smoke", "step_runs",
+                          "metrics_runs",
                           "served", "rollout_server"}
 
 

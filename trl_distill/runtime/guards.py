@@ -74,8 +74,8 @@ class Guards:
             bad = trainer.accelerator.reduce(bad, reduction="sum")
         if bad.item() > 0:
             raise TrainingStopped(
-                f"The student's loss is not finite ({float(loss):g} on rank {trainer.args.process_index}; not finite "
-                f"on {int(bad.item())} of {trainer.accelerator.num_processes} ranks) at step "
+                f"The student's loss is not finite ({float(loss.detach()):g} on rank {trainer.args.process_index}; "
+                f"not finite on {int(bad.item())} of {trainer.accelerator.num_processes} ranks) at step "
                 f"{trainer.state.global_step + 1}; nothing of this step was applied. Lower the learning "
                 "rate (or add warmup / max_grad_norm), check the data, and resume from the last complete checkpoint; "
                 "stop_on_nonfinite_loss=False trains on.")
