@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup quickstart test test-fast lint bench-loss bench bench-cache bench-cross bench-on-policy experiment-on-policy vllm-env clean
+.PHONY: setup quickstart test test-fast lint bench-loss bench bench-cache bench-cross bench-metrics bench-on-policy experiment-on-policy vllm-env clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,11 @@ bench-cache: setup vllm-env
 # sizes, 64 and 256 new tokens (writes benchmarks/results/on_policy.{json,md} and its table in docs/benchmarks.md)
 bench-on-policy: setup vllm-env
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/on_policy.py
+
+# What the logged diagnostics cost (log_distill_metrics on vs off), 2 processes, the quickstart's size and make bench's
+# (about 6 minutes on 2 idle cores; writes benchmarks/results/metrics_cost.{json,md} and its table in docs/benchmarks.md)
+bench-metrics: setup
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/metrics_cost.py
 
 # Step time of KD from a teacher with another tokenizer vs one with the student's, 2 processes (about 4 minutes)
 bench-cross: setup

@@ -100,8 +100,8 @@ def common_args(spec: dict) -> dict:
         gradient_accumulation_steps=spec.get("accumulation", 1),
         learning_rate=1e-4, lr_scheduler_type="constant", seed=0, bf16=False, fp16=False,
         gradient_checkpointing=False, report_to="none", disable_tqdm=True, save_strategy="no",
-        logging_steps=10**6, remove_unused_columns=False, dataset_kwargs={"skip_prepare_dataset": True},
-        deepspeed=spec["deepspeed"], dataloader_num_workers=0,
+        logging_steps=spec.get("logging_steps", 10**6), remove_unused_columns=False,
+        dataset_kwargs={"skip_prepare_dataset": True}, deepspeed=spec["deepspeed"], dataloader_num_workers=0,
     )  # fmt: skip
 
 
@@ -111,6 +111,8 @@ def run_ours(spec: dict, rec: dict, data, tokenizer) -> list[float]:
     args = DistillationConfig(
         **common_args(spec), alpha=1.0, temperature=1.0, divergence="forward_kl", assistant_only_loss=False,
         teacher_step_pass=spec["trainer"] != "ours_per_micro_batch",
+        log_distill_metrics=spec.get("log_distill_metrics", True),
+        distill_metrics_every_step=spec.get("distill_metrics_every_step", False),
     )
     probe(rec, "before_trainer")
     trainer = DistillationTrainer(

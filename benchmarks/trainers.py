@@ -136,8 +136,9 @@ def shape(name: str, cfg: dict) -> dict:
     return {"batch": cfg["batch"], "accumulation": 1, "steps": cfg["steps"], "warmup": cfg["warmup"]}
 
 
-def run_contender(name: str, cfg: dict, models: dict, out: Path) -> dict:
-    """Launch one run of `name`; return its per-rank records (or the error) and its wall time."""
+def run_contender(name: str, cfg: dict, models: dict, out: Path, extra: dict | None = None) -> dict:
+    """Launch one run of `name` (``extra``: more worker settings, e.g. ``log_distill_metrics``); return its per-rank
+    records (or the error) and its wall time."""
     from trl_distill.testing import launch, read_rank_records
 
     trainer, deepspeed, nproc, _ = CONTENDERS[name]
@@ -146,7 +147,7 @@ def run_contender(name: str, cfg: dict, models: dict, out: Path) -> dict:
         "trainer": trainer, "deepspeed": deepspeed, "out": str(out), "student": models["student"],
         "teacher": models["teacher"], "tokenizer": models["tokenizer"], "vocab_size": cfg["vocab_size"],
         "seq_len": cfg["seq_len"], "prompt_len_range": cfg["prompt_len_range"], **run, "data_seed": 0,
-        "num_examples": run["steps"] * run["batch"] * run["accumulation"] * nproc,
+        "num_examples": run["steps"] * run["batch"] * run["accumulation"] * nproc, **(extra or {}),
     }  # fmt: skip
     t0 = time.perf_counter()
     try:

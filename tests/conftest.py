@@ -93,7 +93,7 @@ def rollout_server(tmp_path_factory) -> dict:
 
 # Fixtures that launch several processes: a test using one is a multi-process test, marked or not
 MULTI_PROCESS_FIXTURES = {"zero2_zero3_runs", "lora_runs", "bf16_and_fp32_runs", "runs", "smoke", "step_runs",
-                          "metrics_runs",
+                          "metrics_runs", "rollout_runs", "expendable_server",
                           "served", "rollout_server"}
 
 

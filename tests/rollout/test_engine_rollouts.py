@@ -7,7 +7,7 @@ import torch
 from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.rollout.engine_client import RolloutServerError, RolloutServerReplyError
 from trl_distill.rollout.on_policy import STUDENT
-from trl_distill.testing import free_port, logged, synthetic_prompt_completion, tiny_run_settings
+from trl_distill.testing import VLLM_VENV, free_port, logged, synthetic_prompt_completion, tiny_run_settings
 
 PROBE = "def probe(x):\n    return x + 1\n"
 
@@ -173,37 +173,6 @@ def test_a_served_teacher_scores_the_rollouts(served, rollout_server, tmp_path):
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.distributed  # starts a vLLM server of its own
-def test_a_server_dying_mid_run_stops_with_one_line_and_the_last_checkpoint_kept(tiny_pair, tmp_path):
-    """Its own server (the shared one must live on): killed after step 3 of 6, checkpoints every 2 steps."""
-    from transformers import TrainerCallback
-
-    from trl_distill.runtime.checkpoints import is_complete
-    from trl_distill.testing import SERVER_PIDS, build_tiny_model, build_tokenizer, kill_tree, vllm_server
-
-    tokenizer = build_tokenizer()
-    directory = tmp_path / "student"
-    build_tiny_model(tokenizer, "student", seed=1, hidden_size=64, num_attention_heads=2).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    with vllm_server(directory, name="student", rollout=True) as url:
-        server = {"url": url, "student": str(directory), "tokenizer": tokenizer}
-        trainer = make_trainer(server, tiny_pair, tmp_path, max_steps=6, save_strategy="steps", save_steps=2,
-                               vllm_server_timeout=60)
-        trainer.sampler.engine.client.http.backoff = 0.1
-
-        class KillAfterStep3(TrainerCallback):
-            def on_step_end(self, args, state, control, **kwargs):
-                if state.global_step == 3:
-                    kill_tree(SERVER_PIDS[url])
-
-        trainer.add_callback(KillAfterStep3())
-        with pytest.raises(RolloutServerError, match=r"The rollout server .* (did not answer|answered).*Stopped at "
-                                                     r"step 4: resume from the last complete checkpoint"):
-            trainer.train()
-    checkpoints = sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith("checkpoint-"))
-    assert checkpoints == ["checkpoint-2"] and is_complete(str(tmp_path / "out" / "checkpoint-2"))
-
-
 def test_self_distillation_of_a_lora_student_rolls_out_its_merged_weights(rollout_server, tmp_path):
     """teacher 'self' (the base, adapters off) scores rollouts of the LoRA student, whose merged weights (base +
     a non-zero adapter delta) the server holds after every sync."""
@@ -278,28 +247,67 @@ def test_seq_kd_samples_from_the_served_teachers_own_server(served, tmp_path):
     assert new["labels"].ne(-100).sum() == sum(len(c) for c in completions)
 
 
-@pytest.mark.distributed  # starts a vLLM server of its own
-def test_a_server_of_another_model_is_one_line_at_the_first_sync(tiny_pair, tmp_path):
-    """The tiny pair's student (32 wide) against a server of a 64-wide one with the same tokenizer (its own: a
-    failed load may leave a server unusable): the error comes at the first sync, well inside the timeout."""
-    import time
-
+@pytest.fixture(scope="module")
+def expendable_server(tmp_path_factory):
+    """A rollout server of its own for the two fault tests below, in this order: a trainer of another model fails
+    its first sync (the server keeps working: its engine receives every chunk of a failed load), then a trainer of
+    the server's own model kills it mid-run. One server start for both (the session's shared one must live on)."""
     from trl_distill.testing import build_tiny_model, build_tokenizer, vllm_server
 
-    tokenizer, directory = build_tokenizer(), tmp_path / "wide"
+    if not (VLLM_VENV / "bin" / "python").exists():
+        pytest.skip(f"no vLLM venv at {VLLM_VENV}: run `make vllm-env` to run the rollout-server tests")
+    tokenizer, directory = build_tokenizer(), tmp_path_factory.mktemp("expendable") / "student"
     build_tiny_model(tokenizer, "student", seed=1, hidden_size=64, num_attention_heads=2).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     with vllm_server(directory, name="student", rollout=True) as url:
-        settings = tiny_run_settings(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=2,
-                                     save_strategy="no", use_cpu=True, max_new_tokens=8, lmbda=1.0, use_vllm=True,
-                                     vllm_server_base_url=url, vllm_group_port=free_port(), vllm_server_timeout=120)
-        trainer = DistillationTrainer(tiny_pair["student"], tiny_pair["teacher"], args=DistillationConfig(**settings),
-                                      train_dataset=synthetic_prompt_completion(32), processing_class=tokenizer)
-        started = time.monotonic()
-        with pytest.raises(RolloutServerError, match=r"could not load the student's weights: it must serve the "
-                                                     r"student's own architecture.*Stopped at step 1"):
-            trainer.train()
-        assert time.monotonic() - started < 60  # well inside vllm_server_timeout
+        yield {"url": url, "student": str(directory), "tokenizer": tokenizer}
+
+
+@pytest.mark.distributed  # starts a vLLM server of its own
+def test_a_server_of_another_model_is_one_line_at_the_first_sync(expendable_server, tiny_pair, tmp_path):
+    """The tiny pair's student (32 wide) against a server of a 64-wide one with the same tokenizer: the error comes
+    at the first sync, well inside the timeout."""
+    import time
+
+    settings = tiny_run_settings(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=2,
+                                 save_strategy="no", use_cpu=True, max_new_tokens=8, lmbda=1.0, use_vllm=True,
+                                 vllm_server_base_url=expendable_server["url"], vllm_group_port=free_port(),
+                                 vllm_server_timeout=120)
+    trainer = DistillationTrainer(tiny_pair["student"], tiny_pair["teacher"], args=DistillationConfig(**settings),
+                                  train_dataset=synthetic_prompt_completion(32),
+                                  processing_class=expendable_server["tokenizer"])
+    started = time.monotonic()
+    with pytest.raises(RolloutServerError, match=r"could not load the student's weights: it must serve the "
+                                                 r"student's own architecture.*Stopped at step 1"):
+        trainer.train()
+    assert time.monotonic() - started < 60  # well inside vllm_server_timeout
+
+
+@pytest.mark.distributed  # kills the server of its own (after the test above used it)
+def test_a_server_dying_mid_run_stops_with_one_line_and_the_last_checkpoint_kept(expendable_server, tiny_pair,
+                                                                                 tmp_path):
+    """Killed after step 3 of 6, checkpoints every 2 steps."""
+    from transformers import TrainerCallback
+
+    from trl_distill.runtime.checkpoints import is_complete
+    from trl_distill.testing import SERVER_PIDS, kill_tree
+
+    url = expendable_server["url"]
+    trainer = make_trainer(expendable_server, tiny_pair, tmp_path, max_steps=6, save_strategy="steps", save_steps=2,
+                           vllm_server_timeout=60)
+    trainer.sampler.engine.client.http.backoff = 0.1
+
+    class KillAfterStep3(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                kill_tree(SERVER_PIDS[url])
+
+    trainer.add_callback(KillAfterStep3())
+    with pytest.raises(RolloutServerError, match=r"The rollout server .* (did not answer|answered).*Stopped at "
+                                                 r"step 4: resume from the last complete checkpoint"):
+        trainer.train()
+    checkpoints = sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith("checkpoint-"))
+    assert checkpoints == ["checkpoint-2"] and is_complete(str(tmp_path / "out" / "checkpoint-2"))
 
 
 def test_the_command_line_distils_on_policy_from_the_rollout_server(rollout_server, tiny_pair, tmp_path):

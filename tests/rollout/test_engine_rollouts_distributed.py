@@ -1,6 +1,7 @@
 """On two processes, with a ZeRO-3 teacher: the student's rollouts from the real vLLM server for a ZeRO-2, a ZeRO-3
-and a LoRA student; after the last sync the server computes what the saved student computes, and the first step's
-logged losses are the formula's on the rows each rank sampled."""
+and a LoRA student, scored by a live, a served, a `self` and a cross-tokenizer teacher; after the last sync the
+server computes what the saved student computes, and the first step's logged losses are the formula's on the rows
+each rank sampled. Every run is one trainer of one launch (tests/scripts/engine_rollout_worker.py)."""
 
 from pathlib import Path
 
@@ -33,21 +34,23 @@ def first_step_losses(student, teacher, rows: list[dict], temperature=2.0, alpha
     return {"kd_loss": kd, "ce_loss": ce, "loss": alpha * kd + (1 - alpha) * ce}
 
 
-def served_gap(client, model, ids: list[int]) -> float:
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, :-1].float()
-    ours = logits.log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
-    return float((torch.tensor(client.prompt_logprobs(ids)) - ours).abs().max())
+# the order of the runs in the launch: the ZeRO-3 student last (its zero.Init leaves global state behind)
+MODES = ("zero2", "lora", "served", "self", "cross", "zero3_student")
+
+
+@pytest.fixture(scope="module")
+def rollout_runs(rollout_server, tiny_pair, served, other_teacher, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("rollout_runs")
+    teachers = {"served": served["url"], "self": "unused", "cross": other_teacher}
+    runs = [f"{mode}={teachers.get(mode, tiny_pair['teacher'])}@{free_port()}" for mode in MODES]
+    launch(WORKER, rollout_server["student"], str(out), rollout_server["url"], *runs, timeout=900)
+    return out
 
 
 @pytest.mark.parametrize("mode", ["zero2", "zero3_student", "lora"])
-def test_two_processes_roll_out_from_the_server_and_sync_every_student_kind(rollout_server, tiny_pair, tmp_path,
+def test_two_processes_roll_out_from_the_server_and_sync_every_student_kind(rollout_runs, rollout_server, tiny_pair,
                                                                             mode):
-    from trl_distill.rollout.engine_client import RolloutServerClient
-
-    launch(WORKER, rollout_server["student"], tiny_pair["teacher"], str(tmp_path), rollout_server["url"],
-           str(free_port()), mode, timeout=600)
-    ranks = read_rank_records(tmp_path / mode)
+    ranks = read_rank_records(rollout_runs / mode)
     assert ranks[0]["versions"] == ["0", "1", "2"]  # synced before each step's rollouts
     first = [r["sampled"]["1"] for r in ranks]
     assert first[0]["input_ids"] != first[1]["input_ids"]  # each rank sampled its own rows
@@ -62,29 +65,18 @@ def test_two_processes_roll_out_from_the_server_and_sync_every_student_kind(roll
         expected = first_step_losses(student, teacher, first)
         for key, value in expected.items():
             assert logs[1][key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
-    # the server holds step 2's weights (the last sync): those of checkpoint-2, as saved
-    saved = tmp_path / mode / "checkpoint-2"
-    if mode == "lora":
-        from peft import AutoPeftModelForCausalLM
-
-        model = AutoPeftModelForCausalLM.from_pretrained(saved).merge_and_unload().eval()
-    else:
-        model = AutoModelForCausalLM.from_pretrained(saved).eval()
-    client = RolloutServerClient(rollout_server["url"], timeout=60)
-    client.connect(rollout_server["tokenizer"])
-    assert served_gap(client, model, rollout_server["tokenizer"](PROBE)["input_ids"]) < 1e-4
+    # right after the run the server held step 2's weights (the last sync): those of checkpoint-2, as saved
+    assert ranks[0]["server_gap"] < 1e-4
 
 
-def test_two_processes_roll_out_and_a_served_teacher_scores_each_ranks_rows(rollout_server, served, tmp_path):
+def test_two_processes_roll_out_and_a_served_teacher_scores_each_ranks_rows(rollout_runs, rollout_server, served):
     """ZeRO-2 student on 2 processes, its rollouts from one vLLM server, the teacher's top-k on them from another:
     the first step's logged losses are the sparse KD and the CE computed from the initial student's own logits and
     the teacher server's answer for the rows each rank sampled."""
     from tests.oracles import sparse_distillation_loss
     from trl_distill.teacher.server_client import TeacherServerClient
 
-    launch(WORKER, rollout_server["student"], served["url"], str(tmp_path), rollout_server["url"], str(free_port()),
-           "served", timeout=600)
-    ranks = read_rank_records(tmp_path / "served")
+    ranks = read_rank_records(rollout_runs / "served")
     assert ranks[0]["versions"] == ["0", "1", "2"]
     student = AutoModelForCausalLM.from_pretrained(rollout_server["student"]).eval()
     client = TeacherServerClient(served["url"], "teacher")
@@ -110,12 +102,10 @@ def test_two_processes_roll_out_and_a_served_teacher_scores_each_ranks_rows(roll
         assert logs[1][key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
 
 
-def test_two_processes_self_distil_a_lora_student_on_its_rollouts(rollout_server, tmp_path):
+def test_two_processes_self_distil_a_lora_student_on_its_rollouts(rollout_runs, rollout_server):
     """teacher 'self', adapters starting at zero: on the first step's rollouts the student is its base, so the KD is
     0 and the CE the base's own on the rows each rank sampled."""
-    launch(WORKER, rollout_server["student"], "unused", str(tmp_path), rollout_server["url"], str(free_port()),
-           "self", timeout=600)
-    ranks = read_rank_records(tmp_path / "self")
+    ranks = read_rank_records(rollout_runs / "self")
     assert ranks[0]["versions"] == ["0", "1", "2"]
     base = AutoModelForCausalLM.from_pretrained(rollout_server["student"]).eval()
     expected = first_step_losses(base, base, [r["sampled"]["1"] for r in ranks])
@@ -125,8 +115,8 @@ def test_two_processes_self_distil_a_lora_student_on_its_rollouts(rollout_server
     assert logs[3]["kd_loss"] > 1e-6  # the adapters have moved the student off its base
 
 
-def test_two_processes_and_a_zero3_teacher_of_another_tokenizer_score_the_rollouts(rollout_server, other_teacher,
-                                                                                   tmp_path):
+def test_two_processes_and_a_zero3_teacher_of_another_tokenizer_score_the_rollouts(rollout_runs, rollout_server,
+                                                                                   other_teacher):
     """The first step's KD: the per-group loss on both models' own logits over the groups each rank aligned,
     each rank's sum over its loss tokens, averaged over the ranks."""
     from transformers import AutoTokenizer
@@ -134,9 +124,7 @@ def test_two_processes_and_a_zero3_teacher_of_another_tokenizer_score_the_rollou
     from trl_distill.cross_tokenizer import CrossTokenizerLoss, shared_vocabulary
     from trl_distill.loss.fused import LossSettings
 
-    launch(WORKER, rollout_server["student"], other_teacher, str(tmp_path), rollout_server["url"], str(free_port()),
-           "cross", timeout=600)
-    ranks = read_rank_records(tmp_path / "cross")
+    ranks = read_rank_records(rollout_runs / "cross")
     student = AutoModelForCausalLM.from_pretrained(rollout_server["student"]).eval()
     teacher = AutoModelForCausalLM.from_pretrained(other_teacher).eval()
     s_tok, t_tok = rollout_server["tokenizer"], AutoTokenizer.from_pretrained(other_teacher)

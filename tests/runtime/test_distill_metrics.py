@@ -1,7 +1,8 @@
 """The diagnostics a run logs (`top1_agreement`, `kl_teacher_student`, `teacher_ce`, the entropies, a top-k
 teacher's tail mass, the aligned shares across tokenizers) equal the same metrics taken from both models' own
 `model(...).logits` on the rows trained on: gradient accumulation 2 with the once-per-step teacher pass, learning
-rate 0 (so the student the log measured is the one the reference runs), one log over an epoch of 16 rows. On one
+rate 0 (so the student the log measured is the one the reference runs), one log over an epoch of 16 rows measured
+on every step (`distill_metrics_every_step`; by default only the logged steps are measured, tested too). On one
 process, and on two (ZeRO-2 student, ZeRO-3 teacher: tests/scripts/metrics_worker.py, one launch for every
 teacher kind and the 2-process non-finite guard)."""
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from oracles import reference_diagnostics, write_teacher_cache
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.data.batch import loss_tokens
@@ -28,7 +29,7 @@ WORKER = Path(__file__).parents[1] / "scripts" / "metrics_worker.py"
 def config(tmp_path, name, **overrides) -> DistillationConfig:
     settings = dict(output_dir=str(tmp_path / name), max_steps=4, logging_steps=4, learning_rate=0.0,
                     per_device_train_batch_size=2, gradient_accumulation_steps=2, save_strategy="no", use_cpu=True,
-                    loss_chunk_size=7)
+                    loss_chunk_size=7, distill_metrics_every_step=True)  # the log: the mean over the epoch
     return DistillationConfig(**tiny_run_settings(**{**settings, **overrides}))
 
 
@@ -165,6 +166,46 @@ def test_across_tokenizers_the_metrics_are_those_of_the_aligned_groups(tiny_pair
     want = cross_reference(trainer, other_teacher)
     assert 0.1 < want["aligned_token_share"] < 1
     assert_equal(logged_once(trainer.state.log_history), want)
+
+
+def test_by_default_only_the_logged_steps_are_measured_each_on_all_its_micro_batches(tiny_pair, tmp_path):
+    trainer = make(tiny_pair["student"], tmp_path, "logged", teacher_model_name_or_path=tiny_pair["teacher"],
+                   distill_metrics_every_step=False, logging_steps=2, learning_rate=2e-3)
+    measured, steps = {}, []
+    compute_loss = trainer.compute_loss
+
+    def recording(model, inputs, *args, **kwargs):
+        if model.training:
+            steps.append((trainer.state.global_step + 1, trainer.metrics.measured()))
+            measured.setdefault(trainer.state.global_step + 1, []).append(
+                {k: inputs[k].detach().clone() for k in ("input_ids", "labels")})
+        return compute_loss(model, inputs, *args, **kwargs)
+
+    trainer.compute_loss = recording
+    snapshots = {}
+
+    class Snapshot(TrainerCallback):  # the student each logged step measured (it trains here)
+        def on_step_begin(self, args, state, control, **kwargs):
+            snapshots[state.global_step + 1] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+    trainer.add_callback(Snapshot())
+    trainer.train()
+    assert steps == [(1, True), (1, True), (2, True), (2, True), (3, False), (3, False), (4, True), (4, True)]
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_pair["teacher"]).eval()
+    student = AutoModelForCausalLM.from_pretrained(tiny_pair["student"]).eval()
+    for step in (2, 4):
+        student.load_state_dict(snapshots[step])
+        per_token = defaultdict(list)
+        with torch.no_grad():
+            for batch in measured[step]:
+                target, mask = loss_tokens(batch)
+                s = student(input_ids=batch["input_ids"]).logits[:, :-1][mask]
+                t = teacher(input_ids=batch["input_ids"]).logits[:, :-1][mask]
+                for name, values in reference_diagnostics(s, t, target[mask]).items():
+                    per_token[name].append(values)
+        logs = {h["step"]: h for h in trainer.state.log_history if "loss" in h}[step]
+        for name in ("top1_agreement", "kl_teacher_student", "teacher_ce", "student_entropy", "teacher_entropy"):
+            assert logs[name] == pytest.approx(torch.cat(per_token[name]).mean().item(), abs=1e-5), (step, name)
 
 
 def test_one_tokenizer_forced_across_logs_what_the_same_tokenizer_run_logs(tiny_pair, tmp_path):

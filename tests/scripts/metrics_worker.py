@@ -38,7 +38,8 @@ def run(pair: str, out: str, spec: str) -> dict:
     teacher = os.path.join(pair, "teacher")
     settings = dict(output_dir=os.path.join(out, name), max_steps=2, logging_steps=2, learning_rate=0.0,
                     per_device_train_batch_size=2, gradient_accumulation_steps=2, save_strategy="no",
-                    loss_chunk_size=7, deepspeed=STUDENT_ZERO2, teacher_model_name_or_path=teacher)
+                    loss_chunk_size=7, deepspeed=STUDENT_ZERO2, teacher_model_name_or_path=teacher,
+                    distill_metrics_every_step=True)
     student = os.path.join(pair, "student")
     if name == "cache":
         settings.update(teacher_cache=value, temperature=1.0, teacher_model_name_or_path=None)

@@ -28,9 +28,30 @@ class DistillMetrics:
         self.pending: LossDiagnostics | None = None  # the current micro-batch's, filled by the fused loss
 
     def diagnostics(self) -> LossDiagnostics | None:
-        """A fresh accumulator for the fused loss of one micro-batch (None when the metrics are off)."""
-        self.pending = LossDiagnostics(self.trainer.args.device) if self.trainer.args.log_distill_metrics else None
+        """A fresh accumulator for the fused loss of one micro-batch, or None when this one is not measured."""
+        self.pending = LossDiagnostics(self.trainer.args.device) if self.measured() else None
         return self.pending
+
+    def measured(self) -> bool:
+        """Whether the current micro-batch's diagnostics are measured: always in evaluation; in training on every
+        step with `distill_metrics_every_step`, else on the steps that are logged (and a fresh run's first, for the
+        teacher check), every micro-batch of them."""
+        args = self.trainer.args
+        if not args.log_distill_metrics:
+            return False
+        if not self.trainer.model.training or args.distill_metrics_every_step:
+            return True
+        step = self.trainer.state.global_step + 1  # the optimizer step this micro-batch belongs to
+        return step == 1 and self.last_logged_step == 0 or self.logged(step)
+
+    def logged(self, step: int) -> bool:
+        """Whether training logs at the end of optimizer step `step` (an epoch's last step is not known ahead: with
+        ``logging_strategy="epoch"`` every step counts)."""
+        args, state = self.trainer.args, self.trainer.state
+        if args.logging_strategy == "epoch":
+            return True
+        return args.logging_strategy == "steps" and bool(state.logging_steps) and (
+            step % state.logging_steps == 0 or args.logging_first_step and step == 1)
 
     def record(self, kd: torch.Tensor, ce: torch.Tensor, batch_size: int, loss: torch.Tensor,
                on_policy: bool = False) -> None:
@@ -92,6 +113,8 @@ class DistillMetrics:
             means = self.reduced(self.window, internal=True)
             if self.trainer.accelerator.is_main_process:
                 self.guards.check_teacher(means)
+            if not (self.logged(1) or self.trainer.args.distill_metrics_every_step):
+                self.window.reset()  # measured for the check only: the first log is of its own step
 
     def restart(self, step: int) -> None:
         self.last_logged_step = step
