@@ -27,8 +27,11 @@ PROBE = "def probe(x):\n    return x + 1\n"
 
 def server_gap(url: str, checkpoint: str, lora: bool, student: str) -> float:
     """max |log-prob| difference on a probe between the server and the saved checkpoint (merged, for LoRA)."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
     from trl_distill.rollout.engine_client import RolloutServerClient
 
+    unset_hf_deepspeed_config()  # a ZeRO-3 student's run left it set: from_pretrained would partition (collective)
     if lora:
         from peft import AutoPeftModelForCausalLM
 
