@@ -109,8 +109,10 @@ def test_a_teacher_worse_than_the_untrained_student_is_one_warning_at_the_first_
         for name, margin in (("a", 0.0), ("b", 100.0)):
             make_trainer(tiny_pair, tmp_path / name, save_strategy="no", max_steps=2, teacher_ce_margin=margin,
                          teacher_model_name_or_path=str(tmp_path / "peaked")).train()
+        make_trainer(tiny_pair, tmp_path / "c", save_strategy="no", max_steps=2, alpha=0.0,
+                     teacher_model_name_or_path=str(tmp_path / "peaked")).train()  # CE only: the teacher is unused
     warned = [r.getMessage() for r in caplog.records if "at the first step" in r.getMessage()]
-    assert len(warned) == 1, warned  # the second run's margin (100 nats) lets it pass
+    assert len(warned) == 1, warned  # the second run's margin (100 nats) lets it pass, the third trains no KD
     ce = [float(x.rstrip(",:")) for x in warned[0].split() if x.rstrip(",:").replace(".", "").isdigit()][:2]
     assert ce[0] > ce[1] + 0.5, warned  # the teacher's CE, then the student's
     assert warned[0].endswith("A wrong teacher, or data it was not trained for? (teacher_ce_margin=0)")

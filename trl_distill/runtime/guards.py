@@ -49,7 +49,7 @@ class GuardFields:
         "help": "Consecutive logging steps past a collapse bound before the run stops."})
     teacher_ce_margin: float = field(default=0.0, metadata={
         "help": "Warn at the first step when the teacher's cross-entropy on the data exceeds the untrained "
-        "student's by more than this (nats): a wrong teacher, or data it does not know."})
+        "student's by more than this (nats): a wrong teacher, or data it does not know (not with alpha=0)."})
 
 
 def check_guard_args(args) -> None:
@@ -109,8 +109,8 @@ class Guards:
     def check_teacher(self, means: dict[str, float]) -> None:
         """At the first step of a fresh run (rank 0): warn when the teacher's CE is worse than the student's."""
         teacher, student = means.get("teacher_ce"), means.get("student_ce")
-        if teacher is None or student is None or not math.isfinite(teacher):
-            return
+        if teacher is None or student is None or not math.isfinite(teacher) or self.trainer.args.alpha == 0:
+            return  # (alpha 0: the teacher is only logged, e.g. an SFT-only run that names the student itself)
         if teacher > student + self.trainer.args.teacher_ce_margin:
             logger.warning(
                 "trl_distill: at the first step the teacher's cross-entropy on the training data is %.4f, the "
