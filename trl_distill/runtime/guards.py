@@ -34,7 +34,7 @@ class GuardFields:
         "logged step's micro-batches (see distill_metrics_every_step)."})
     distill_metrics_every_step: bool = field(default=False, metadata={
         "help": "Measure the diagnostics on every optimizer step and log their mean since the last log (like "
-        "kd_loss), instead of on the logged steps only (every micro-batch of them). Costs a few % of step time "
+        "kd_loss), instead of on the logged steps only (every micro-batch of them). Costs a few percent of step time "
         "where the hidden size is small (docs/benchmarks.md)."})
     stop_on_nonfinite_loss: bool = field(default=True, metadata={
         "help": "Stop every rank, before the backward, when the student's loss is NaN or inf on any rank (the last "
