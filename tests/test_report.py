@@ -55,10 +55,12 @@ def test_a_checkpoint_alone_is_enough_and_the_command_line_prints_where_it_wrote
         (tmp_path / "moved_run.json").rename(finished_run / "trl_distill_run.json")
 
 
-def test_a_directory_with_nothing_to_report_is_one_line(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "trl_distill", "report", str(tmp_path)], capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [
+def test_a_directory_with_nothing_to_report_is_one_line(tmp_path, capsys):
+    from trl_distill.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["report", str(tmp_path)])  # the command line's own entry point, in this process
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
         f"trl-distill: error: {tmp_path} holds no readable trainer_state.json, nor do its checkpoints: `trl-distill` "
         "writes one when training ends (Python API: call trainer.save_state())."]
