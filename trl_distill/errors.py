@@ -15,3 +15,14 @@ class ExternalError(Exception):
 class PeerLostError(ExternalError):
     """Another process of the run stopped answering (a collective timed out: frozen, killed, far slower) or went
     away (its connection closed): this rank cannot go on without it. Its own message says why it stopped."""
+
+
+def stderr_line(text: str) -> None:
+    """Write ``text`` and its newline to stderr in one write: the ranks of a run share one stderr, and `print` writes
+    the text and the newline separately, so two ranks' lines could run together (a pipe keeps one write of up to
+    4096 bytes whole)."""
+    import sys
+
+    sys.stderr.flush()
+    sys.stderr.write(f"{text}\n")
+    sys.stderr.flush()

@@ -385,3 +385,34 @@ def test_the_prompt_prefix_warning_is_shown_once_with_a_count(merging_pair, tmp_
                        f"prompt+completion) applies to at least {len(endings)} rows (rows with the same prompt ending "
                        "count once), shown once. End the prompts on a token boundary (e.g. after a space or "
                        "punctuation) to train on the context the model sees at inference."]
+
+
+WRITER = """import sys
+from trl_distill.errors import stderr_line
+if sys.argv[2] == "print":
+    def stderr_line(text):
+        print(text, file=sys.stderr, flush=True)
+for _ in range(3000):
+    stderr_line("trl-distill: error: " + sys.argv[1] * 600)
+"""
+
+
+def _interleaved_lines(how: str) -> int:
+    """Two processes writing 3000 long lines each to one pipe, as a run's ranks share one stderr: the lines that did
+    not come out whole."""
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, mark, how], stderr=write_end) for mark in "ab"]
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        lines = pipe.read().splitlines()
+    assert [writer.wait() for writer in writers] == [0, 0]
+    whole = {f"trl-distill: error: {mark * 600}" for mark in "ab"}
+    return sum(line not in whole for line in lines) + abs(len(lines) - 6000)
+
+
+def test_ranks_lines_on_a_shared_stderr_stay_whole():
+    assert _interleaved_lines("stderr_line") == 0

@@ -13,7 +13,7 @@ import re
 import shutil
 import sys
 
-from ..errors import ExternalError
+from ..errors import ExternalError, stderr_line
 
 # How a full disk reads when a library re-raises it as its own error (torch.save, safetensors' Rust I/O)
 _DISK_FULL = ("no space left on device", "disk quota exceeded", "storagefull", "quotaexceeded")
@@ -55,14 +55,14 @@ def faults_as_messages(prog: str = "trl-distill"):
         _exit_with(prog, error, 1)
     except KeyboardInterrupt:
         _note_failure()
-        print(f"{prog}: interrupted (Ctrl-C): stopped; the last complete checkpoint is kept (resume with "
-              "--resume_from_checkpoint true).", file=sys.stderr, flush=True)
+        stderr_line(f"{prog}: interrupted (Ctrl-C): stopped; the last complete checkpoint is kept (resume with "
+                    "--resume_from_checkpoint true).")
         sys.exit(130)
     except Exception as error:
         _note_failure()
         full = disk_full_message(error)
         if full is not None:
-            print(f"{prog}: error: {full}", file=sys.stderr, flush=True)
+            stderr_line(f"{prog}: error: {full}")
             sys.exit(1)
         peer = _peer_failure(error)
         if peer is None:
@@ -173,5 +173,5 @@ def _peer_failure(error: BaseException):
 
 def _exit_with(prog: str, error: BaseException, status: int) -> None:
     message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    stderr_line(f"{prog}: error: {message}")
     sys.exit(status)

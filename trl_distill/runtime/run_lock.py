@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 
-from ..errors import ExternalError
+from ..errors import ExternalError, stderr_line
 
 LOCK_NAME = ".trl_distill_run.lock"
 HEARTBEAT_S = 10.0
@@ -207,8 +207,7 @@ def acquire(output_dir: str, stale_after: float = STALE_AFTER_S) -> RunLock:
             if _read(path) == holder:
                 os.remove(path)
         left_by = _holder_line(holder) if holder else "a run"
-        print(f"trl-distill: taking over the stale lock {path} left by {left_by}: {reason}.", file=sys.stderr,
-              flush=True)
+        stderr_line(f"trl-distill: taking over the stale lock {path} left by {left_by}: {reason}.")
     raise RunLockedError(f"Could not take the lock {path}: other runs keep taking it. Pass another --output_dir.")
 
 
