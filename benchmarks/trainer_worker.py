@@ -98,7 +98,8 @@ def common_args(spec: dict) -> dict:
     return dict(
         output_dir=spec["out"], max_steps=spec["steps"], per_device_train_batch_size=spec["batch"],
         gradient_accumulation_steps=spec.get("accumulation", 1),
-        learning_rate=1e-4, lr_scheduler_type="constant", seed=0, bf16=False, fp16=False,
+        learning_rate=1e-4, lr_scheduler_type="constant", seed=0, bf16=spec.get("bf16", False), fp16=False,
+        use_cpu=spec.get("bf16", False) and not torch.cuda.is_available(),  # transformers' bf16 on CPU needs it
         gradient_checkpointing=False, report_to="none", disable_tqdm=True, save_strategy="no",
         logging_steps=spec.get("logging_steps", 10**6), remove_unused_columns=False,
         dataset_kwargs={"skip_prepare_dataset": True}, deepspeed=spec["deepspeed"], dataloader_num_workers=0,
@@ -132,6 +133,7 @@ def run_ours(spec: dict, rec: dict, data, tokenizer) -> list[float]:
     trainer.add_callback(timer)
     rec["train_loss"] = trainer.train().training_loss
     rec["teacher_bytes"] = teacher_bytes(trainer.teacher.module)
+    rec["dtypes"] = {"student": str(trainer.model.dtype), "teacher": str(trainer.teacher.module.dtype)}
     rec["world_size"] = trainer.args.world_size
     return timer.ends
 
@@ -159,7 +161,9 @@ def run_gkd(spec: dict, rec: dict, data, tokenizer) -> list[float]:
     timer = step_timer()
     trainer.add_callback(timer)
     rec["train_loss"] = trainer.train().training_loss
-    rec["teacher_bytes"] = teacher_bytes(getattr(trainer.teacher_model, "module", trainer.teacher_model))
+    teacher = getattr(trainer.teacher_model, "module", trainer.teacher_model)
+    rec["teacher_bytes"] = teacher_bytes(teacher)
+    rec["dtypes"] = {"student": str(trainer.model.dtype), "teacher": str(teacher.dtype)}
     rec["world_size"] = trainer.args.world_size
     return timer.ends
 
@@ -170,8 +174,9 @@ def run_bare(spec: dict, rec: dict, data, tokenizer) -> list[float]:
 
     torch.manual_seed(0)
     probe(rec, "before_trainer")
-    student = AutoModelForCausalLM.from_pretrained(spec["student"], dtype=torch.float32).train()
-    teacher = AutoModelForCausalLM.from_pretrained(spec["teacher"], dtype=torch.float32).eval().requires_grad_(False)
+    dtype = torch.bfloat16 if spec.get("bf16") else torch.float32
+    student = AutoModelForCausalLM.from_pretrained(spec["student"], dtype=dtype).train()
+    teacher = AutoModelForCausalLM.from_pretrained(spec["teacher"], dtype=dtype).eval().requires_grad_(False)
     probe(rec, "teacher_ready", reset=True)
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
     ends, losses, b = [], [], spec["batch"]
@@ -200,8 +205,17 @@ def run_bare(spec: dict, rec: dict, data, tokenizer) -> list[float]:
 RUNNERS = {"ours": run_ours, "ours_per_micro_batch": run_ours, "gkd": run_gkd, "bare": run_bare}
 
 
+def cap_memory(spec: dict) -> None:
+    """``spec["memory_cap_mib"]``: this process's `RLIMIT_DATA` (heap and anonymous mappings: where tensors live), so
+    a run that does not fit fails with torch's "can't allocate memory" instead of the machine's OOM killer."""
+    cap = spec.get("memory_cap_mib")
+    if cap:
+        resource.setrlimit(resource.RLIMIT_DATA, (cap * KIB * KIB, cap * KIB * KIB))
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
+    cap_memory(spec)
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
     rec: dict = {"rank": rank, "spec": spec, "memory": {}}

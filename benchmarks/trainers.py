@@ -133,7 +133,8 @@ def shape(name: str, cfg: dict) -> dict:
     """``batch``, ``accumulation``, ``steps`` and ``warmup`` of contender `name`."""
     if name.endswith(ACCUMULATED):
         return cfg["ga8"]
-    return {"batch": cfg["batch"], "accumulation": 1, "steps": cfg["steps"], "warmup": cfg["warmup"]}
+    return {"batch": cfg["batch"], "accumulation": cfg.get("accumulation", 1), "steps": cfg["steps"],
+            "warmup": cfg["warmup"]}
 
 
 def run_contender(name: str, cfg: dict, models: dict, out: Path, extra: dict | None = None) -> dict:
