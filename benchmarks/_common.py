@@ -43,15 +43,19 @@ def replace_readme_block(markers: tuple[str, str], block: str, readme: Path = RO
     return True
 
 
-def step_timer():
-    """A Trainer callback recording the `time.perf_counter()` at the end of every optimizer step (`.ends`)."""
+def step_timer(split=None):
+    """A Trainer callback recording the `time.perf_counter()` at the end of every optimizer step (`.ends`), and
+    snapshotting `split` (a `step_split.Split`) there when given."""
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
         def __init__(self):
             self.ends: list[float] = []
+            self.split = split
 
         def on_step_end(self, args, state, control, **kwargs):
             self.ends.append(time.perf_counter())
+            if self.split is not None:
+                self.split.snapshot()
 
     return StepTimer()

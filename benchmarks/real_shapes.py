@@ -85,7 +85,8 @@ def case_config(cfg: dict, case: str) -> dict:
 
 def run_case(name: str, case: str, cfg: dict, models: dict, out: Path) -> dict:
     _, dtype, _ = parse_case(case)
-    extra = {"bf16": dtype == "bf16", "memory_cap_mib": cfg["memory_cap_mib"], "log_distill_metrics": False}
+    extra = {"bf16": dtype == "bf16", "memory_cap_mib": cfg["memory_cap_mib"], "log_distill_metrics": False,
+             "split": True}
     result = small.run_contender(name, case_config(cfg, case), models, out, extra)
     if "metrics" in result:
         got = result["metrics"]

@@ -28,8 +28,9 @@ import sys
 import time
 
 import torch
-from _common import step_timer  # benchmarks/_common.py and memory_probe.py (the script's folder)
+from _common import step_timer  # benchmarks/_common.py, memory_probe.py, step_split.py (the script's folder)
 from memory_probe import reset_peak_rss
+from step_split import instrument_gkd, instrument_ours, teacher_compute_seconds
 
 from trl_distill.runtime.distributed import teardown_process_group
 from trl_distill.testing import write_rank_record
@@ -129,12 +130,13 @@ def run_ours(spec: dict, rec: dict, data, tokenizer) -> list[float]:
             probe(rec, "teacher_ready", reset=True)
 
     trainer.prepare_teacher = prepare_and_probe
-    timer = step_timer()
+    timer = step_timer(instrument_ours(trainer) if spec.get("split") else None)
     trainer.add_callback(timer)
     rec["train_loss"] = trainer.train().training_loss
     rec["teacher_bytes"] = teacher_bytes(trainer.teacher.module)
     rec["dtypes"] = {"student": str(trainer.model.dtype), "teacher": str(trainer.teacher.module.dtype)}
     rec["world_size"] = trainer.args.world_size
+    rec["split"] = timer.split
     return timer.ends
 
 
@@ -158,13 +160,14 @@ def run_gkd(spec: dict, rec: dict, data, tokenizer) -> list[float]:
         data_collator=collate,
     )
     probe(rec, "teacher_ready", reset=True)  # GKD loads and prepares its teacher in __init__
-    timer = step_timer()
+    timer = step_timer(instrument_gkd(trainer) if spec.get("split") else None)
     trainer.add_callback(timer)
     rec["train_loss"] = trainer.train().training_loss
     teacher = getattr(trainer.teacher_model, "module", trainer.teacher_model)
     rec["teacher_bytes"] = teacher_bytes(teacher)
     rec["dtypes"] = {"student": str(trainer.model.dtype), "teacher": str(teacher.dtype)}
     rec["world_size"] = trainer.args.world_size
+    rec["split"] = timer.split
     return timer.ends
 
 
@@ -232,6 +235,12 @@ def main() -> None:
     rec["timed_seconds"] = ends[-1] - ends[warm - 1]
     rec["torch_threads"] = torch.get_num_threads()
     rec["loss_token_fraction"] = spec["loss_token_fraction"]
+    split = rec.pop("split", None)
+    if split is not None:  # after the memory probes: the plain teacher copy is not counted in them
+        rec["split"] = split.per_step(warm, rec["timed_seconds"] / rec["timed_steps"])
+        rows = spec["batch"] * spec.get("accumulation", 1)
+        rec["split"]["teacher_compute"] = teacher_compute_seconds(spec, rows, with_head=spec["trainer"] == "gkd")
+        rec["split"]["teacher_gather"] = max(0.0, rec["split"]["teacher"] - rec["split"]["teacher_compute"])
     write_rank_record(spec["out"], rank, rec)
     teardown_process_group()  # all ranks together (a barrier first), as trl_distill does at exit
 

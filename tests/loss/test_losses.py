@@ -9,6 +9,7 @@ from test_divergences import ALPHA, BETA, TEMP, _logits, _mask  # the shared ref
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trl_distill.loss.divergences import LOSS_TYPES, divergence, per_token_divergence
+from trl_distill.loss.workspace import Workspace
 from trl_distill.loss.fused import (
     DistillationLossOutput,
     _forward_kl_closed_form,
@@ -146,9 +147,16 @@ def test_forward_kl_closed_form_gradient_equals_autograd(temperature):
     t_logp = F.log_softmax(t / temperature, -1)
     ref = per_token_divergence(F.log_softmax(s / temperature, -1), t_logp, "forward_kl").sum()
     (g_ref,) = torch.autograd.grad(ref, s)
-    kd, g = _forward_kl_closed_form(s.detach(), t_logp.clone(), temperature)
+    kd, g, none = _forward_kl_closed_form(s.detach(), t_logp.clone(), temperature)
     torch.testing.assert_close(kd, ref.detach(), rtol=0, atol=1e-6)
     torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-6)
+    assert none is None
+    # With labels (and reused buffers): the same, and log q at the labels (the CE's terms at T = 1)
+    labels = torch.tensor([0, 5, 39, 7, 7, 1])
+    kd2, g2, log_q = _forward_kl_closed_form(s.detach(), t_logp.clone(), temperature, None, Workspace(), labels)
+    torch.testing.assert_close((kd2, g2), (kd, g), rtol=0, atol=0)
+    expected = F.log_softmax(s.detach() / temperature, -1)[torch.arange(6), labels]
+    torch.testing.assert_close(log_q, expected, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("temperature", [1.0, TEMP])

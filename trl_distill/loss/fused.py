@@ -19,6 +19,7 @@ from torch.autograd.function import once_differentiable
 from ..model.fused_forward import LMHead, finalise_logits
 from .diagnostics import LossDiagnostics, observe_dense
 from .divergences import DIVERGENCES, at_temperature, check_divergence, normalise_sum
+from .workspace import Workspace
 
 if TYPE_CHECKING:
     from .rollout_correction import RolloutCorrection
@@ -78,13 +79,16 @@ class DistillationLossOutput(NamedTuple):
 
 
 def _forward_kl_closed_form(s_logits: Tensor, t_logp: Tensor, temperature: float,
-                            weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                            weights: Tensor | None = None, work: Workspace | None = None,
+                            labels: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """Σ_rows w·KL(p ‖ q) and its gradient w.r.t. ``s_logits``, w·(q − p) / T, without autograd (autograd: q·Σp − p);
-    ``weights`` None: w = 1.
+    ``weights`` None: w = 1. With `labels`, also ``log q`` at them (``[c]``; the CE's terms when T = 1), else None.
 
-    Overwrites ``t_logp``; allocates no ``[c, V]`` temporaries beyond ``log q`` and ``p``."""
-    s_logp = F.log_softmax(at_temperature(s_logits, temperature), dim=-1)
-    p = t_logp.exp()
+    Overwrites ``t_logp``; allocates no ``[c, V]`` temporaries beyond ``log q`` and ``p`` (in `work`, if given)."""
+    tempered = at_temperature(s_logits, temperature)
+    s_logp = F.log_softmax(tempered, dim=-1) if work is None else work.log_softmax("log_q", tempered)
+    at_labels = None if labels is None else s_logp.gather(1, labels[:, None]).squeeze(1)
+    p = t_logp.exp() if work is None else work.exp("p", t_logp)
     diff = t_logp.sub_(s_logp)  # log p − log q
     grad = s_logp.exp_().sub_(p)  # q − p
     if weights is None:
@@ -92,11 +96,11 @@ def _forward_kl_closed_form(s_logits: Tensor, t_logp: Tensor, temperature: float
     else:
         kd = (diff.mul_(p).sum(-1) * weights).sum()
         grad.mul_(weights[:, None])
-    return kd, grad if temperature == 1.0 else grad.div_(temperature)
+    return kd, grad if temperature == 1.0 else grad.div_(temperature), at_labels
 
 
 def _backprop(g: Tensor, hs: Tensor, weight: Tensor | None, gh: Tensor | None, gw: Tensor | None,
-              gb: Tensor | None) -> None:
+              gb: Tensor | None, work: Workspace) -> None:
     """From ``g`` = d(chunk loss)/d(logits) ``[c, V]``: ``gh = g @ W``, ``gw += g.T @ hs``, ``gb += g.sum(0)``.
     Matmuls run in the weight's dtype, the ``gw``/``gb`` sums in theirs (>= fp32). No weight: ``hs`` are the logits
     themselves and ``gh = g``."""
@@ -104,7 +108,7 @@ def _backprop(g: Tensor, hs: Tensor, weight: Tensor | None, gh: Tensor | None, g
         if gh is not None:
             gh.copy_(g)
         return
-    g_low, hs_low = g.to(weight.dtype), hs.to(weight.dtype)
+    g_low, hs_low = work.cast("low", g, weight.dtype), hs.to(weight.dtype)
     if gh is not None and gh.dtype == g_low.dtype:
         torch.mm(g_low, weight, out=gh)
     elif gh is not None:
@@ -112,7 +116,7 @@ def _backprop(g: Tensor, hs: Tensor, weight: Tensor | None, gh: Tensor | None, g
     if gw is not None and gw.dtype == g_low.dtype:
         gw.addmm_(g_low.T, hs_low)
     elif gw is not None:
-        gw.add_(g_low.T @ hs_low)
+        gw.add_(torch.mm(g_low.T, hs_low, out=work.get("gw.low", *gw.shape, g_low.dtype, g_low.device)))
     if gb is not None:
         gb.add_(g.sum(0))
 
@@ -127,6 +131,7 @@ class DenseTeacherSignal:
 
     def __init__(self, states: Tensor, head: LMHead | None, vocab: int, temperature: float):
         self.states, self.head, self.vocab, self.temperature = states, head, vocab, temperature
+        self.work = Workspace()  # this signal's chunk buffers, reused chunk after chunk
         if head is not None:
             self.weight = head.weight.detach()[:vocab]
             self.bias = None if head.bias is None else head.bias.detach()[:vocab]
@@ -135,9 +140,9 @@ class DenseTeacherSignal:
         if self.head is None:
             logits = self.states[rows, : self.vocab].to(compute)
         else:
-            logits = F.linear(self.states[rows], self.weight, self.bias).to(compute)
+            logits = self.work.linear("teacher", self.states[rows], self.weight, self.bias, compute)
             logits = finalise_logits(logits, self.head.logit_scale, self.head.softcap)
-        return F.log_softmax(at_temperature(logits, self.temperature), dim=-1)
+        return self.work.log_softmax("teacher", at_temperature(logits, self.temperature))
 
     @staticmethod
     def per_token(student_logp: Tensor, teacher_logp: Tensor, settings: LossSettings) -> Tensor:
@@ -202,14 +207,16 @@ class _ChunkedDistillation(torch.autograd.Function):
         ce_sum = h_s.new_zeros((), dtype=compute)
 
         scale, softcap = (None, None) if head is None else (head.logit_scale, head.softcap)
+        work = getattr(teacher, "work", None) or Workspace()  # chunk buffers, shared with a dense teacher's
         for start in range(0, n, chunk_size):
             rows_c = slice(start, start + chunk_size)
             hs = h_s[rows_c]
             signal = teacher.chunk(rows_c, compute)
             if s_weight is None:  # the model's own logits: a copy, so nothing below writes into them
                 raw = hs.detach().to(compute, copy=True)
-            else:
-                raw = F.linear(hs, s_weight, s_bias).to(compute)  # [c, V_s], made a leaf below
+            else:  # [c, V_s] in a reused buffer, made a leaf below (out= forms: no autograd here)
+                with torch.no_grad():
+                    raw = work.linear("student", hs, s_weight, s_bias, compute)
             with torch.set_grad_enabled(want_grad):
                 raw.requires_grad_(want_grad)
                 logits = finalise_logits(raw, scale, softcap)
@@ -221,9 +228,13 @@ class _ChunkedDistillation(torch.autograd.Function):
                 if correction is not None and has_ce:
                     with torch.no_grad():
                         w = correction.weights(rows_c, -F.cross_entropy(logits, labels[rows_c], reduction="none"))
+                # The CE read off the closed form's log q (T = 1, the same columns): one log-softmax less per chunk
+                ce_from_kd = (closed_form and has_ce and not ce_grad and w is None and temperature == 1.0
+                              and vocab == g_cols)  # fmt: skip
                 if closed_form:
                     with torch.no_grad():
-                        kd, g = _forward_kl_closed_form(logits[:, :vocab], signal, temperature, w)
+                        kd, g, log_q = _forward_kl_closed_form(logits[:, :vocab], signal, temperature, w, work,
+                                                               labels[rows_c] if ce_from_kd else None)
                         g = g if vocab == g_cols else F.pad(g, (0, g_cols - vocab))  # padded columns: 0
                     if logits is not raw:  # chain through scale/softcap
                         (g,) = torch.autograd.grad(logits, raw, g, retain_graph=ce_grad)
@@ -235,7 +246,9 @@ class _ChunkedDistillation(torch.autograd.Function):
                         kd = kd.sum() if w is None else (kd * w).sum()
                     outputs = [(kd, gh_kd, gw_kd, gb_kd)] if want_grad and kd_grad else []
                 del signal
-                if has_ce:
+                if ce_from_kd:
+                    ce = -log_q.sum()
+                elif has_ce:
                     with torch.set_grad_enabled(want_grad and ce_grad):
                         ce = F.cross_entropy(logits, labels[rows_c], reduction="sum" if w is None else "none")
                         ce = ce if w is None else (ce * w).sum()
@@ -246,12 +259,12 @@ class _ChunkedDistillation(torch.autograd.Function):
             if not want_grad:
                 continue
             if closed_form:
-                _backprop(g, hs, s_weight, None if gh_kd is None else gh_kd[rows_c], gw_kd, gb_kd)
+                _backprop(g, hs, s_weight, None if gh_kd is None else gh_kd[rows_c], gw_kd, gb_kd, work)
                 del g
             for i, (out, gh, gw, gb) in enumerate(outputs):
                 # d(chunk loss)/d(raw logits): [c, V_s] in the compute dtype, through scale/softcap.
                 (g,) = torch.autograd.grad(out, raw, retain_graph=i + 1 < len(outputs))
-                _backprop(g, hs, s_weight, None if gh is None else gh[rows_c], gw, gb)
+                _backprop(g, hs, s_weight, None if gh is None else gh[rows_c], gw, gb, work)
 
         # Keep the saved grads in the input dtypes (halves the saved [V, H] buffers for bf16 models).
         gw_kd, gw_ce = (None if x is None else x.to(s_weight.dtype) for x in (gw_kd, gw_ce))
