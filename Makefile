@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup quickstart test test-fast lint bench-loss bench bench-cache bench-cross bench-metrics bench-on-policy experiment-on-policy vllm-env clean
+.PHONY: setup quickstart test test-fast lint bench-loss bench gpu-wheels bench-cache bench-cross bench-metrics bench-on-policy experiment-on-policy vllm-env clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,7 +36,13 @@ bench-loss: setup
 # accumulation 8 (about 13 minutes on 2 idle cores)
 bench: setup
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/real_shapes.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/trainers.py
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/fit.py
+
+# Wheels for the GPU machine (no network there): see benchmarks/gpu/README.md
+gpu-wheels: setup
+	bash benchmarks/gpu/wheels.sh
 
 # The teacher cache (trl-distill cache-teacher, k = 8/64/256, packed 7bit and float32) vs the online ZeRO-3 teacher:
 # bytes per token, step time, held-out quality gap; and the teacher served by vLLM (about 8 minutes on 2 idle cores)

@@ -44,7 +44,7 @@ def _status() -> dict[str, int]:
     with open("/proc/self/status") as f:
         for line in f:
             key = line.split(":", 1)[0]
-            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+            if key in ("VmRSS", "VmHWM", "VmData", "RssAnon", "RssFile", "RssShmem"):
                 out[key] = int(line.split()[1]) * KIB
     return out
 

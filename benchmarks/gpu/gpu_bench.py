@@ -134,12 +134,14 @@ def loss_methods():
     from trl_distill.loss.divergences import divergence
     from trl_distill.loss.fused import chunked_divergence
 
-    methods = {
-        "ours_forward_kl": lambda hs, ws, ht, wt: chunked_divergence(hs, ws, ht, wt, None, "forward_kl", temperature=1.0),
-        "ours_reverse_kl": lambda hs, ws, ht, wt: chunked_divergence(hs, ws, ht, wt, None, "reverse_kl", temperature=1.0),
-        "naive_forward_kl": lambda hs, ws, ht, wt: divergence(hs @ ws.T, ht @ wt.T, "forward_kl", temperature=1.0),
-        "naive_reverse_kl": lambda hs, ws, ht, wt: divergence(hs @ ws.T, ht @ wt.T, "reverse_kl", temperature=1.0),
-    }  # fmt: skip
+    def ours(kind):
+        return lambda hs, ws, ht, wt: chunked_divergence(hs, ws, ht, wt, None, kind, temperature=1.0)
+
+    def naive(kind):
+        return lambda hs, ws, ht, wt: divergence(hs @ ws.T, ht @ wt.T, kind, temperature=1.0)
+
+    methods = {f"{name}_{kind}": make(kind) for name, make in (("ours", ours), ("naive", naive))
+               for kind in ("forward_kl", "reverse_kl")}  # fmt: skip
     if not torch.cuda.is_available():
         return methods, "Liger's kernels are Triton: they need a GPU"
     try:
@@ -233,13 +235,15 @@ def markdown(rep: dict) -> str:
     lines += ["", f"Loss, one forward + backward, {loss['config']['dtype']}, V = {loss['config']['vocab_size']}, "
               f"hidden {loss['config']['student_hidden']} (student) / {loss['config']['teacher_hidden']} (teacher)"
               + (f"; Liger skipped: {loss['liger_skipped']}" if loss["liger_skipped"] else "") + ".", "",
-              "| method | tokens | ms median [min, max] | extra peak GPU MiB | loss | vs naive |", "|---|---|---|---|---|---|"]
+              "| method | tokens | ms median [min, max] | extra peak GPU MiB | loss | vs naive |",
+              "|---|---|---|---|---|---|"]
     for r in loss["results"]:
         if "error" in r:
             lines.append(f"| {r['method']} | {r['tokens']} | failed: {r['error']} | | | |")
             continue
         extra = f"{r['extra_peak_gpu_mib']:.0f}" if r["extra_peak_gpu_mib"] is not None else "n/a"
-        lines.append(f"| {r['method']} | {r['tokens']} | {r['ms']:.1f} [{r['ms_min']:.1f}, {r['ms_max']:.1f}] | {extra} "
+        lines.append(f"| {r['method']} | {r['tokens']} | {r['ms']:.1f} [{r['ms_min']:.1f}, {r['ms_max']:.1f}] "
+                     f"| {extra} "
                      f"| {r['loss']:.6f} | {r.get('loss_vs_naive', float('nan')):.1e} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
@@ -265,11 +269,12 @@ def main() -> None:
         for name in TRAIN_RUNS:
             training[name] = run_training(name, sizes, models, Path(tmp) / name)
             r = training[name]
-            print(f"{name}: " + (f"{r['tokens_per_s']:.0f} tokens/s, peak GPU {r['peak_gpu_mib']} MiB" if "error" not in r
-                                 else "FAILED " + r["error"][-1500:]), flush=True)  # fmt: skip
+            done = f"{r['tokens_per_s']:.0f} tokens/s, peak GPU {r['peak_gpu_mib']} MiB" if "error" not in r else None
+            print(f"{name}: " + (done or "FAILED " + r["error"][-1500:]), flush=True)
     loss = bench_loss(sizes["loss"])
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    report = {"benchmark": "gpu", "mode": args.mode, "sizes": sizes, "machine": machine(gpu=gpu, torch_cuda=torch.version.cuda),
+    report = {"benchmark": "gpu", "mode": args.mode, "sizes": sizes,
+              "machine": machine(gpu=gpu, torch_cuda=torch.version.cuda),
               "models": {k: v for k, v in models.items() if k.endswith("_params")}, "training": training, "loss": loss,
               "total_runtime_s": time.perf_counter() - t0}  # fmt: skip
     (out / "gpu_bench.json").write_text(json.dumps(report, indent=1) + "\n")

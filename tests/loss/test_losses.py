@@ -9,13 +9,13 @@ from test_divergences import ALPHA, BETA, TEMP, _logits, _mask  # the shared ref
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trl_distill.loss.divergences import LOSS_TYPES, divergence, per_token_divergence
-from trl_distill.loss.workspace import Workspace
 from trl_distill.loss.fused import (
     DistillationLossOutput,
     _forward_kl_closed_form,
     chunked_distillation_loss,
     chunked_divergence,
 )
+from trl_distill.loss.workspace import Workspace
 
 # ----------------------------------------------------------------------------------------------------------
 # Chunked fused path

@@ -124,3 +124,40 @@ def test_two_nodes_log_the_same_losses_as_two_processes_on_one_node(tiny_pair, t
         assert list(expected[key]) == list(range(1, MAX_STEPS + 1)), key
         assert got[key] == pytest.approx(expected[key], rel=1e-6, abs=1e-9), key
     assert expected["loss"][MAX_STEPS] < expected["loss"][1]  # the student trained: the curves are not flat
+
+
+# ---- one GPU, no launcher ----
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def gpu_machine(monkeypatch):
+    """No launch variables, and a GPU as far as `runtime.distributed` can tell."""
+    from trl_distill.runtime import distributed
+
+    for name in (*LAUNCH_VARIABLES, *distributed._OTHER_LAUNCHERS, "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(distributed, "has_accelerator", lambda: True)
+    return distributed
+
+
+def test_python_on_one_gpu_with_deepspeed_gets_a_one_process_group(gpu_machine, monkeypatch):
+    """`python train.py --deepspeed ...` on a GPU: DeepSpeed's process group needs RANK, WORLD_SIZE and a master
+    address even for one process (transformers leaves that to a launcher)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("SLURM_NTASKS", "1")  # an allocation of one task is still one process
+    gpu_machine.prepare_cpu_distributed_state(SimpleNamespace(deepspeed="ds.json"))
+    assert {k: os.environ[k] for k in LAUNCH_VARIABLES[:4]} == {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                                                                 "LOCAL_WORLD_SIZE": "1"}  # fmt: skip
+    assert os.environ["MASTER_ADDR"] == "127.0.0.1" and 0 < int(os.environ["MASTER_PORT"]) < 65536
+
+
+@pytest.mark.parametrize("launcher", ["OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", "WORLD_SIZE", None])
+def test_a_launchers_variables_or_no_deepspeed_leave_the_environment_alone(gpu_machine, monkeypatch, launcher):
+    from types import SimpleNamespace
+
+    if launcher:
+        monkeypatch.setenv(launcher, "2")
+    gpu_machine.prepare_cpu_distributed_state(SimpleNamespace(deepspeed="ds.json" if launcher else None))
+    assert all(name not in os.environ for name in LAUNCH_VARIABLES if name != launcher)

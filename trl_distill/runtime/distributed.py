@@ -49,9 +49,14 @@ def has_accelerator() -> bool:
     return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
 
 
+# Set by launchers that describe the processes their own way (DeepSpeed's MPI discovery reads them): several
+# processes there are not ours to describe
+_OTHER_LAUNCHERS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+
+
 def _set_single_process_env() -> None:
     """`python script.py` with DeepSpeed: DeepSpeed needs a process group even for one process."""
-    if "WORLD_SIZE" not in os.environ:
+    if "WORLD_SIZE" not in os.environ and all(os.environ.get(name, "1") == "1" for name in _OTHER_LAUNCHERS):
         os.environ.update(
             RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
             MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
@@ -124,13 +129,19 @@ def _forget_single_process_state() -> None:
 def prepare_cpu_distributed_state(args) -> None:
     """Make DeepSpeed train on every launched process of a machine without GPU: set up a gloo `PartialState` and
     point `args` at it (`use_configured_state`). Call as its devices are set up (`DistillationConfig._setup_devices`
-    does). A no-op with a GPU; without DeepSpeed only the teardown at exit is registered (DDP on CPU is the Trainer's
+    does). With a GPU, see below; without DeepSpeed only the teardown at exit is registered (DDP on CPU is the Trainer's
     own `use_cpu=True` path, which `precision.settle_precision` takes on such a machine).
 
     DeepSpeed needs this even with `use_cpu=True`: the Trainer's CPU branch would leave DeepSpeed's process group
     uninitialised until the first engine, so a teacher loaded under `zero.Init` would see a world size of 1.
+
+    With a GPU only the one-process case is ours: `python train.py` with DeepSpeed and no launcher gets the
+    environment of a one-process group (transformers leaves it to a launcher, and DeepSpeed's ``env://`` set-up
+    would fail on the missing RANK); NCCL and the Trainer's own device set-up do the rest.
     """
     if has_accelerator():
+        if _deepspeed_requested(args):
+            _set_single_process_env()
         return
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _destroy_at_exit()  # any CPU group, DDP's (gloo) too, is torn down at exit: else it may abort (-6) there
