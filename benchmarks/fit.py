@@ -3,12 +3,13 @@
     python benchmarks/fit.py [--smoke] [--cap_mib N] [--output_dir DIR]
 
 Every process of a 2-process run gets the same heap cap (`RLIMIT_DATA`, `trainer_worker.cap_memory`), so a run that
-does not fit fails with torch's own out-of-memory error. The student is `real_shapes.py`'s (~69M, a 128 000-token
-vocabulary); the teacher has a fixed width (hidden 1024, intermediate 4096) and L layers. For each contender (ours:
-ZeRO-2 student + ZeRO-3 teacher; TRL's GKD with the same ZeRO-2 student, which replicates its teacher) the largest L
-that trains two optimizer steps (bf16, 1024-token rows, micro batch 1) is found by doubling L until a run fails,
-then bisecting. Beside it: the L at which `trl-distill plan` (the same shapes, 2 "GPUs" of the cap less the memory a
-process holds before any model, `BASE_MIB`, measured) stops fitting, for its setups ``ours`` and ``replicated``.
+does not fit fails with torch's own out-of-memory error, and glibc is told to return freed memory (`ALLOCATOR`).
+The student is `real_shapes.py`'s (~69M, a 128 000-token vocabulary); the teacher has a fixed width (hidden 1024,
+intermediate 4096) and L layers. For each contender (ours: ZeRO-2 student + ZeRO-3 teacher; TRL's GKD with the same
+ZeRO-2 student, which replicates its teacher) the largest L that trains two optimizer steps (bf16, 1024-token rows,
+micro batch 1) is found by doubling L until a run fails, then bisecting. Beside it: the largest L for which
+`trl-distill plan` (the same shapes, 2 "GPUs" of the cap less the heap a process maps before any model, measured by
+`base_mib`) keeps its setup ``ours`` / ``replicated`` within that budget.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ import trainers as small
 from _common import ROOT, machine, replace_readme_block
 
 CONTENDERS = {"ours_z2_z3": "ours", "gkd_z2": "replicated"}  # fit contender: its setup in `trl-distill plan`
+# glibc keeps freed blocks under its (self-raising) mmap threshold in the heap: a rank that gathers a ZeRO-3 teacher
+# layer by layer kept ~3x its partitions resident (L = 31: peak RSS 4606 MiB, 3132 with these). A fixed 1 MiB
+# threshold and trim return freed memory, as a GPU's caching allocator reuses it, for every contender alike.
+ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_TRIM_THRESHOLD_": "1048576"}
 MIB = 1 << 20
 
 
@@ -183,7 +188,8 @@ def markdown(rep: dict) -> str:
              f"{rep['models_student_params'] / 1e6:.0f}M, teacher of width {c['teacher_width']['hidden_size']} "
              f"(intermediate {c['teacher_width']['intermediate_size']}) with L layers. The cap counts a process's "
              f"mapped heap (`VmData`), {rep['result']['base_mib']:.0f} MiB of which it holds before any model "
-             "(libraries, torch's and gloo's reservations); `plan`'s budget is the cap less that. "
+             "(libraries, torch's and gloo's reservations); `plan`'s budget is the cap less that. glibc returns freed "
+             "memory (`fit.ALLOCATOR`) in every run. "
              f"{rep['total_runtime_s'] / 60:.0f} min, {rep['machine']['date'][:16]}.", "",
              "| contender | largest L that trains | teacher parameters | first L that does not | plan's largest L |",
              "|---|---|---|---|---|"]  # fmt: skip
@@ -207,6 +213,7 @@ def main() -> None:
     ap.add_argument("--output_dir", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
     cfg, out, t0 = plan(args.smoke), Path(args.output_dir), time.perf_counter()
+    os.environ.update(ALLOCATOR)  # every worker inherits it (`trainers.run_contender`, `testing.launch`)
     if args.cap_mib:
         cfg["cap_mib"] = args.cap_mib
     result = run(cfg, out)
