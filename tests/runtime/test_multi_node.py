@@ -132,13 +132,17 @@ LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MAS
 
 @pytest.fixture
 def gpu_machine(monkeypatch):
-    """No launch variables, and a GPU as far as `runtime.distributed` can tell."""
+    """No launch variables, and a GPU as far as `runtime.distributed` can tell; the environment as it was after
+    (the code under test sets variables monkeypatch does not know of)."""
     from trl_distill.runtime import distributed
 
+    saved = dict(os.environ)
     for name in (*LAUNCH_VARIABLES, *distributed._OTHER_LAUNCHERS, "ACCELERATE_USE_DEEPSPEED"):
-        monkeypatch.delenv(name, raising=False)
+        os.environ.pop(name, None)
     monkeypatch.setattr(distributed, "has_accelerator", lambda: True)
-    return distributed
+    yield distributed
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def test_python_on_one_gpu_with_deepspeed_gets_a_one_process_group(gpu_machine, monkeypatch):
