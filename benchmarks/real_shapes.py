@@ -200,8 +200,7 @@ def write_outputs(report: dict, out: Path) -> None:
     (out / "real_shapes.md").write_text(markdown(report))
     if not report["smoke"] and out.resolve() == (ROOT / "benchmarks" / "results").resolve():
         block = "\n".join([*header(report), "", *headline_table(report)])
-        for page in (ROOT / "README.md", ROOT / "docs" / "benchmarks.md"):
-            replace_readme_block(MARKERS, block, page)
+        replace_readme_block(MARKERS, block, ROOT / "README.md")
 
 
 def main() -> None:

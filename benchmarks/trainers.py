@@ -376,11 +376,9 @@ def readme_block(rep: dict) -> str:
     return "\n".join(lines)
 
 
-def update_readme(rep: dict, *pages: Path) -> bool:
-    """Replace the block between the markers of each page (docs/benchmarks.md and README.md by default); False when
-    one has no markers."""
-    pages = pages or (ROOT / "docs" / "benchmarks.md", ROOT / "README.md")
-    return all([replace_readme_block((README_START, README_END), readme_block(rep), page) for page in pages])
+def update_readme(rep: dict, readme: Path = ROOT / "docs" / "benchmarks.md") -> bool:
+    """Replace the block between the README's markers; False when the README has no markers."""
+    return replace_readme_block((README_START, README_END), readme_block(rep), readme)
 
 
 def write_outputs(report: dict, out: Path) -> None:
