@@ -4,15 +4,18 @@ cache computes."""
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from oracles import write_teacher_cache  # tests/ is on sys.path
 
 from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.cache.shards import flat, read_shard
 from trl_distill.teacher import ServedTeacher
+from trl_distill.teacher.served import loss_rows
 from trl_distill.testing import launch, logged, synthetic_prompt_completion
 
 ROOT = Path(__file__).parents[2]
@@ -100,6 +103,45 @@ def test_students_from_either_cache_and_from_the_live_server_get_the_same_losses
             assert list(got) == list(want) and max(abs(got[s] - want[s]) for s in want) <= 1e-4, (name, key, got, want)
     # the next batch's request is out before this batch's loss: the answer arrives while the student computes
     assert events[:3] == ["request", "request", "loss"] and events.count("loss") == 4
+
+
+def torch_calls_on(prefix: str):
+    """A `threading.setprofile` hook that records each torch function or tensor method a thread named `prefix...`
+    calls (threads started after it is set), and the set it records into."""
+    calls = set()
+
+    def profile(frame, event, arg):
+        if event == "c_call" and threading.current_thread().name.startswith(prefix):
+            owner = getattr(arg, "__self__", None)
+            module = getattr(arg, "__module__", None) or type(owner).__module__
+            if str(module).split(".")[0] == "torch" or isinstance(owner, torch.Tensor):
+                calls.add(arg.__qualname__)
+
+    return profile, calls
+
+
+def test_the_request_threads_call_no_torch(served, tmp_path):
+    """A daemon thread inside a torch op as the interpreter exits aborts the process (-6; it once failed CI after
+    a fault stopped training): the served teacher's request threads parse the reply into numpy arrays, and the
+    tensors are built where the loss reads them. Every torch call a thread named ``served-teacher-*`` makes while
+    training is recorded: none. The same hook sees the torch calls of `fetch` (arrays and tensors) on such a thread."""
+    profile, calls = torch_calls_on("served-teacher")
+    threading.setprofile(profile)
+    try:
+        trainer = DistillationTrainer(served["student"], args=run_config(tmp_path, "threads", max_steps=2,
+                                      teacher_server=served["url"], teacher_server_top_k=K),
+                                      train_dataset=synthetic_prompt_completion(8))
+        trainer.train()
+        assert len(logged(trainer.state.log_history, "kd_loss")) == 2
+        assert calls == set(), calls
+        batch = next(iter(trainer.get_train_dataloader()))
+        rows, positions = loss_rows(batch)
+        thread = threading.Thread(target=trainer.teacher.fetch, args=(rows, positions), name="served-teacher-check")
+        thread.start()
+        thread.join()
+    finally:
+        threading.setprofile(None)
+    assert {"from_numpy", "float"} <= {name.rsplit(".", 1)[-1] for name in calls}, calls
 
 
 def test_accumulation_dataloader_workers_and_evaluation_against_the_live_server(served, caches):

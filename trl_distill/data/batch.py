@@ -29,14 +29,16 @@ class SignalHolder:
     `_prepare_inputs` would cast float tensors to the DeepSpeed dtype (bf16), and it cannot rebuild a NamedTuple
     (transformers 5.24)."""
 
-    def __init__(self, signal: SparseTeacherSignal | Future):
-        self._signal = signal
+    def __init__(self, signal: SparseTeacherSignal | Future, build=None):
+        self._signal, self._build = signal, build
 
     @property
     def signal(self) -> SparseTeacherSignal:
-        """The signal; waits for it when it is still being fetched (the fetch itself has a timeout)."""
+        """The signal; waits for it when it is still being fetched (the fetch itself has a timeout). A future's
+        result goes through `build` first, on the thread reading it (a served teacher's numpy arrays)."""
         if isinstance(self._signal, Future):
-            self._signal = self._signal.result()
+            result = self._signal.result()
+            self._signal = result if self._build is None else self._build(result)
         return self._signal
 
 

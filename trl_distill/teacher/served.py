@@ -11,7 +11,8 @@ A fault of the server (down, hung, HTTP 5xx, a reply vLLM would not send) is a `
 request's thread; it surfaces where the batch's signal is read, in `pop_batch`, which every rank reaches for every
 micro-batch: there the ranks agree (one scalar all-reduce), cancel what they have queued and raise it together, so
 every rank stops with the same one line. The requests run on daemon threads: one still waiting on a hung server
-never holds the process at exit.
+never holds the process at exit. Those threads touch no torch (`server_client.signal_of` says why): the reply's
+numpy arrays become tensors where the signal is read.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import queue
 import threading
 from concurrent.futures import Future
 
+import numpy as np
 import torch
 
 from ..data.batch import SIGNAL, SignalHolder, loss_tokens, pop_signal
@@ -30,7 +32,7 @@ from ..loss.sparse import SparseTeacherSignal
 from ..runtime.distributed import first_failure
 from .base import TeacherSource
 from .rows import SparseRows
-from .server_client import TeacherServerClient, TeacherServerError, TeacherServerReplyError
+from .server_client import TeacherServerClient, TeacherServerError, TeacherServerReplyError, signal_of
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +184,7 @@ class ServedTeacher(TeacherSource):
                              f"{self.top_k}.")
         self.client.check_tokenizer(tokenizer, _PROBE)
         probe = self.client.top_k(tokenizer(_PROBE)["input_ids"], self.top_k)  # --max-logprobs, --logprobs-mode
-        check_ids(probe, vocab_size, url)
+        check_ids(probe.ids, vocab_size, url)
         self.vocab_size = vocab_size
 
     def request(self, batch: dict) -> SignalHolder:
@@ -195,18 +197,24 @@ class ServedTeacher(TeacherSource):
                 return FailedSignal(error)  # DataLoader's "Caught ... in DataLoader worker" wrapper)
         if self._pool is None or self._pool_pid != os.getpid():
             self._pool, self._pool_pid = RequestPool(self.concurrency), os.getpid()
-        return SignalHolder(self._pool.submit(self.fetch, rows, positions))
+        return SignalHolder(self._pool.submit(self.fetch_arrays, rows, positions), build=signal_of)
 
-    def fetch(self, rows: list[list[int]], positions: list[torch.Tensor],
+    def fetch(self, rows: list[list[int]], positions: list[np.ndarray],
               stop: threading.Event | None = None) -> SparseTeacherSignal:
         """The signal at `positions` of each row (a position t predicts the row's token t + 1), row-major: the
         order in which the loss selects its tokens. `stop` cancels the request's retries."""
-        signals = self.client.top_k_rows(rows, self.top_k, stop)
-        parts = [SparseTeacherSignal(*(t[where] for t in signal)) for signal, where in zip(signals, positions,
-                                                                                             strict=True)]
-        signal = SparseTeacherSignal(*(torch.cat(column) for column in zip(*parts, strict=True)))
-        check_ids(signal, self.vocab_size, self.client.url)
-        return signal
+        return signal_of(self.fetch_arrays(rows, positions, stop))
+
+    def fetch_arrays(self, rows: list[list[int]], positions: list[np.ndarray],
+                     stop: threading.Event | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`fetch` as numpy arrays: what the request threads run (HTTP, JSON and numpy, no torch: see
+        `server_client.signal_of`)."""
+        signals = self.client.top_k_arrays(rows, self.top_k, stop)
+        parts = [[array[np.asarray(where)] for array in signal] for signal, where in zip(signals, positions,
+                                                                                          strict=True)]
+        ids, log_probs, tail = (np.concatenate(column) for column in zip(*parts, strict=True))
+        check_ids(ids, self.vocab_size, self.client.url)
+        return ids, log_probs, tail
 
     def close(self) -> None:
         if self._pool is not None and self._pool_pid == os.getpid():
@@ -278,7 +286,7 @@ class ServedTeacherCollator:
         return batch
 
 
-def loss_rows(batch: dict) -> tuple[list[list[int]], list[torch.Tensor]]:
+def loss_rows(batch: dict) -> tuple[list[list[int]], list[np.ndarray]]:
     """Each row's tokens (without padding) and its loss positions (`data.batch.loss_tokens`)."""
     _, mask = loss_tokens(batch)
     ids, attention = batch["input_ids"], batch.get("attention_mask")
@@ -288,13 +296,14 @@ def loss_rows(batch: dict) -> tuple[list[list[int]], list[torch.Tensor]]:
         if attention is not None and not bool(attention[b, :length].all()):
             raise ValueError("A served teacher needs right-padded rows (the collator padded on the left).")
         rows.append(ids[b, :length].tolist())
-        positions.append(mask[b].nonzero().squeeze(1).cpu())
+        positions.append(mask[b].nonzero().squeeze(1).cpu().numpy())
     return rows, positions
 
 
-def check_ids(signal: SparseTeacherSignal, vocab_size: int | None, url: str) -> None:
-    """One clear error for a served token id the student's vocabulary does not have."""
-    if vocab_size is not None and signal.ids.numel() and int(signal.ids.max()) >= vocab_size:
-        raise TeacherServerReplyError(f"The teacher server {url} returned token id {int(signal.ids.max())}, outside "
+def check_ids(ids, vocab_size: int | None, url: str) -> None:
+    """One clear error for a served token id (numpy or torch `ids`) the student's vocabulary does not have."""
+    ids = np.asarray(ids)
+    if vocab_size is not None and ids.size and int(ids.max()) >= vocab_size:
+        raise TeacherServerReplyError(f"The teacher server {url} returned token id {int(ids.max())}, outside "
                                       f"the student's vocabulary of {vocab_size}: the served model must share the "
                                       "student's tokenizer.")

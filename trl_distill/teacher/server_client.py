@@ -88,6 +88,12 @@ class TeacherServerClient:
                    ) -> list[SparseTeacherSignal]:
         """`top_k` of several rows in one request (vLLM batches them); `stop` cancels its retries. Whatever the
         server answers that is not this is one `TeacherServerReplyError` naming the server and what it sent."""
+        return [signal_of(arrays) for arrays in self.top_k_arrays(rows, k, stop)]
+
+    def top_k_arrays(self, rows: list[list[int]], k: int, stop: threading.Event | None = None
+                     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """`top_k_rows` as numpy arrays (int64 ids, float64 log-probs, float64 tail), no torch: what a request thread
+        may call (see `signal_of`)."""
         body = {"model": self.model, "prompt": [list(map(int, ids)) for ids in rows], "max_tokens": 1,
                 "prompt_logprobs": k, "temperature": 0}
         try:
@@ -110,9 +116,10 @@ class TeacherServerClient:
         if len(choices) != len(rows):
             raise TeacherServerReplyError(f"The teacher server {self.url} returned {len(choices)} completions for "
                                           f"{len(rows)} prompts: --teacher_server must be a vLLM server.")
-        return [self._signal(entries, len(ids), k) for entries, ids in zip(logprobs, rows, strict=True)]
+        return [self._arrays(entries, len(ids), k) for entries, ids in zip(logprobs, rows, strict=True)]
 
-    def _signal(self, prompt_logprobs: list | None, length: int, k: int) -> SparseTeacherSignal:
+    def _arrays(self, prompt_logprobs: list | None, length: int, k: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not isinstance(prompt_logprobs, list):
             got = "null" if prompt_logprobs is None else excerpt(json.dumps(prompt_logprobs))
             raise TeacherServerReplyError(
@@ -147,6 +154,15 @@ class TeacherServerClient:
                 "1): restart it without `--logprobs-mode raw_logits`.")
         with np.errstate(divide="ignore"):
             tail = np.log1p(-np.minimum(kept, 1.0))  # -inf when the top-k hold all the mass
-        return SparseTeacherSignal(torch.from_numpy(top_ids), torch.from_numpy(top_log_probs).float(),
-                                   torch.from_numpy(tail).float())
+        return top_ids, top_log_probs, tail
 
+
+def signal_of(arrays: tuple[np.ndarray, np.ndarray, np.ndarray]) -> SparseTeacherSignal:
+    """The `SparseTeacherSignal` (fp32 log-probs) of `TeacherServerClient.top_k_arrays`' numpy arrays. Call it on the
+    thread that reads the signal, never on a daemon request thread: torch's bindings release the GIL inside an op,
+    and a daemon thread that takes it back while the interpreter exits is ended by `pthread_exit` inside C++, which
+    aborts the whole process ("terminate called without an active exception", exit status -6; torch 2.13,
+    Python 3.11). numpy's C code is not affected (`tests/teacher/test_served_teacher.py`)."""
+    ids, log_probs, tail = arrays
+    return SparseTeacherSignal(torch.from_numpy(ids), torch.from_numpy(log_probs).float(),
+                               torch.from_numpy(tail).float())
