@@ -145,11 +145,12 @@ def header(rep: dict) -> list[str]:
         f"Teacher {mod['teacher_params'] / 1e6:.0f}M parameters, student {mod['student_params'] / 1e6:.0f}M "
         f"(random-init Llama, one {c['vocab_size']}-token vocabulary), 2 processes, micro batch 1, a prompt of ~10 % "
         f"masked from the loss; forward KL at T = 1. Heap capped at {c['memory_cap_mib']} MiB per process. "
-        f"{c['repeats']} repeat(s), median [min, max]; ratios repeat by repeat.",
-        "",
+        f"{c['repeats']} repeat(s), median [min, max]; ratios repeat by repeat. "
         f"Machine: {mach['cpu']}, {mach['cpus']} CPUs, torch {mach['torch']}, trl {mach['trl']}, deepspeed "
         f"{mach['deepspeed']}, {mach['date'][:16]}; {rep['total_runtime_s'] / 60:.0f} min in all; 1-minute load "
-        f"average {load['start']:.1f} at the start, {load['end']:.1f} at the end (2 = both cores busy).",
+        f"average {load['start']:.1f} at the start, {load['end']:.1f} at the end (2 = both cores busy)."
+        + ("" if len(rep.get("parts", ())) < 2 else " Run in parts: " + "; ".join(
+            f"{', '.join(part['cases'])} on {part['date'][:16]}" for part in rep["parts"]) + "."),
     ]
 
 
@@ -203,6 +204,27 @@ def write_outputs(report: dict, out: Path) -> None:
         replace_readme_block(MARKERS, block, ROOT / "README.md")
 
 
+def _part(rep: dict) -> dict:
+    return {"date": rep["machine"]["date"], "cases": list(rep["runs"]), "total_runtime_s": rep["total_runtime_s"],
+            "load_average_1min": rep["load_average_1min"]}
+
+
+def merged(old: dict, new: dict) -> dict:
+    """`new`'s cases added to (or replacing) `old`'s, the same models and settings; the cases in the plan's order,
+    each part of the run (its date, cases, time and load) recorded under ``parts``."""
+    for key in ("models", "smoke"):
+        if old[key] != new[key]:
+            raise SystemExit(f"--merge: this run's {key} ({new[key]}) are not those of the results there ({old[key]})")
+    order = [c for c in plan(new["smoke"])["cases"] if c in old["runs"] or c in new["runs"]]
+    order += [c for c in [*old["runs"], *new["runs"]] if c not in order]
+    runs = {c: new["runs"][c] if c in new["runs"] else old["runs"][c] for c in order}
+    parts = [*old.get("parts", [_part(old)]), _part(new)]
+    load = {"start": parts[0]["load_average_1min"]["start"], "end": parts[-1]["load_average_1min"]["end"]}
+    return {**new, "plan": {**new["plan"], "cases": order}, "runs": runs, "summary": summarize(runs),
+            "ratios": ratios(runs), "parts": parts, "load_average_1min": load,
+            "total_runtime_s": sum(part["total_runtime_s"] for part in parts)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny models and rows, 1 repeat (about a minute)")
@@ -212,6 +234,8 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", choices=list(CONTENDERS), help="run only these contenders")
     ap.add_argument("--memory_cap_mib", type=int, help="RLIMIT_DATA per process (0: none)")
     ap.add_argument("--report_only", action="store_true", help="rewrite the tables from output_dir/real_shapes.json")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the other cases of output_dir/real_shapes.json: this run adds (or redoes) --cases")
     args = ap.parse_args()
     out = Path(args.output_dir)
     if args.report_only:
@@ -250,6 +274,8 @@ def main() -> None:
         "summary": summarize(runs), "ratios": ratios(runs), "runs": runs,
         "total_runtime_s": time.perf_counter() - t_start,
     }  # fmt: skip
+    if args.merge:
+        report = merged(json.loads((out / "real_shapes.json").read_text()), report)
     write_outputs(report, out)
     print(markdown(report))
     print(f"wrote {out}/real_shapes.{{json,md}} in {report['total_runtime_s']:.0f} s")

@@ -381,6 +381,25 @@ def update_readme(rep: dict, readme: Path = ROOT / "docs" / "benchmarks.md") -> 
     return replace_readme_block((README_START, README_END), readme_block(rep), readme)
 
 
+SUMMARY_MARKERS = ("<!-- bench:small-shape:start -->", "<!-- bench:small-shape:end -->")
+SUMMARY_RATIOS = ("tokens_vs_gkd_z2", "ga8_tokens_vs_gkd_z2", "tokens_vs_ours_z3_z3", "teacher_bytes_vs_gkd_z2",
+                  "train_peak_vs_gkd_z2")
+
+
+def summary_block(rep: dict) -> str:
+    """The README's short form of the 128-token table: five ratios of ours to the contender a user would pick."""
+    models, cfg = rep["models"], rep["plan"]
+    lines = [f"| ours (ZeRO-2 student + ZeRO-3 teacher) vs, at {cfg['seq_len']} tokens (teacher "
+             f"{models['teacher_params'] / 1e6:.0f}M, student {models['student_params'] / 1e6:.0f}M, "
+             f"{cfg['vocab_size'] // 1000}k vocabulary, fp32, {cfg['repeats']} repeats, {rep['machine']['date'][:10]}) "
+             "| ratio, median [min, max] | goal |", "|---|---|---|"]
+    for key in SUMMARY_RATIOS:
+        r = rep["ratios"][key]
+        goal = "" if r["goal"] is None else f"{r['goal_op']} {r['goal']}, " + ("met" if r["met"] else "**missed**")
+        lines.append(f"| {r['denominator']}: {r['what']} | {_mmm(r, '.2f')} | {goal} |")
+    return "\n".join(lines)
+
+
 def write_outputs(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "trainers.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -388,6 +407,7 @@ def write_outputs(report: dict, out: Path) -> None:
     plot(report, out / "trainers.png")
     if not report["smoke"] and out.resolve() == (ROOT / "benchmarks" / "results").resolve():
         update_readme(report)
+        replace_readme_block(SUMMARY_MARKERS, summary_block(report), ROOT / "README.md")
 
 
 def main() -> None:

@@ -79,3 +79,48 @@ def test_no_fit_at_one_layer_is_zero(monkeypatch):
                                                  "out_of_memory": True})  # fmt: skip
     found = fit.largest("gkd_z2", {"max_layers": 64}, {}, None, Path("."))
     assert found["largest_layers"] == 0 and found["first_failing_layers"] == 1 and found["largest_params"] == 0
+
+
+def test_the_readme_summaries_quote_the_results_they_are_written_from():
+    """The README's fit and small-shape tables, from the committed JSON: the numbers of the full tables."""
+    import json
+
+    import trainers
+
+    root = Path(__file__).parents[1] / "benchmarks" / "results"
+    rep = json.loads((root / "fit.json").read_text())
+    rows = rep["result"]["contenders"]
+    text = fit.summary(rep)
+    for row in rows.values():
+        m = row["measured"]
+        assert f"| {m['largest_layers']} layers, {m['largest_params'] / 1e6:.0f}M | {row['plan']['largest_layers']} " \
+               "layers |" in text
+    ratio = rows["ours_z2_z3"]["measured"]["largest_params"] / rows["gkd_z2"]["measured"]["largest_params"]
+    assert f"| ours / GKD | {ratio:.2f}× the parameters" in text
+    small = json.loads((root / "trainers.json").read_text())
+    text = trainers.summary_block(small)
+    assert len(text.splitlines()) == 2 + len(trainers.SUMMARY_RATIOS)
+    for key in trainers.SUMMARY_RATIOS:
+        r = small["ratios"][key]
+        assert f"{r['median']:.2f} [{r['min']:.2f}, {r['max']:.2f}]" in text
+
+
+def test_a_merged_run_keeps_the_other_cases_in_the_plans_order():
+    def report(runs, date, minutes, load):
+        return {"smoke": False, "plan": {"cases": list(runs), "vocab_size": 128000, "memory_cap_mib": 10240,
+                                         "repeats": 2},
+                "machine": {"cpu": "x", "cpus": 2, "torch": "t", "trl": "r", "deepspeed": "d", "date": date},
+                "models": {"teacher_params": 145e6, "student_params": 69e6}, "runs": runs,
+                "total_runtime_s": minutes * 60, "load_average_1min": load}  # fmt: skip
+
+    old = report({"4096/bf16/ga1": RUNS["4096/bf16/ga1"]}, "2026-12-02T02:00", 30, {"start": 0.5, "end": 2.0})
+    new = report({"1024/bf16/ga1": RUNS["1024/bf16/ga1"]}, "2026-12-02T06:00", 20, {"start": 1.0, "end": 1.5})
+    both = real_shapes.merged(old, new)
+    assert list(both["runs"]) == both["plan"]["cases"] == ["1024/bf16/ga1", "4096/bf16/ga1"]  # the plan's order
+    assert both["summary"]["4096/bf16/ga1"]["gkd_z2"]["out_of_memory"] == 1
+    assert both["ratios"]["1024/bf16/ga1"]["tokens_vs_gkd_z2"]["per_repeat"] == [2.0, 1.0]
+    assert both["total_runtime_s"] == 50 * 60 and both["load_average_1min"] == {"start": 0.5, "end": 1.5}
+    assert "Run in parts: 4096/bf16/ga1 on 2026-12-02T02:00; 1024/bf16/ga1 on 2026-12-02T06:00." in \
+        real_shapes.header(both)[0]
+    with pytest.raises(SystemExit, match="models"):
+        real_shapes.merged(old, {**new, "models": {"teacher_params": 1, "student_params": 1}})
