@@ -64,3 +64,21 @@ def test_a_directory_with_nothing_to_report_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.strip().splitlines() == [
         f"trl-distill: error: {tmp_path} holds no readable trainer_state.json, nor do its checkpoints: `trl-distill` "
         "writes one when training ends (Python API: call trainer.save_state())."]
+
+
+def test_a_report_replaces_an_earlier_report_never_a_users_file_of_that_name(finished_run, tmp_path):
+    into = tmp_path / "notes"
+    write_report(str(finished_run), str(into))
+    before = (into / "report.png").stat().st_mtime_ns
+    write_report(str(finished_run), str(into))  # an earlier report: replaced
+    assert (into / "report.png").stat().st_mtime_ns > before
+    for name, mine in (("report.md", b"# My own notes on this run\n"), ("report.png", b"\x89PNG\r\n\x1a\n my own")):
+        (into / "report.md").unlink(missing_ok=True)
+        (into / "report.png").unlink(missing_ok=True)
+        (into / name).write_bytes(mine)
+        done = subprocess.run([sys.executable, "-m", "trl_distill", "report", str(finished_run), "--into", str(into)],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+            f"trl-distill: error: {into / name} exists and is not a report `trl-distill report` wrote: it is left as "
+            "it is. Move it away, or write the report elsewhere with --into DIR."], done.stderr
+        assert (into / name).read_bytes() == mine and sorted(p.name for p in into.iterdir()) == [name]
