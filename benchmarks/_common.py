@@ -43,6 +43,11 @@ def replace_readme_block(markers: tuple[str, str], block: str, readme: Path = RO
     return True
 
 
+def median_range(d: dict | None, fmt: str = ".0f") -> str:
+    """``median [min, max]`` of a summary or ratio dict; "n/a" when it has none (no repeat succeeded)."""
+    return f"{d['median']:{fmt}} [{d['min']:{fmt}}, {d['max']:{fmt}}]" if d and "median" in d else "n/a"
+
+
 def step_timer(split=None):
     """A Trainer callback recording the `time.perf_counter()` at the end of every optimizer step (`.ends`), and
     snapshotting `split` (a `step_split.Split`) there when given."""

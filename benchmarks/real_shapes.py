@@ -31,6 +31,7 @@ from pathlib import Path
 
 import trainers as small  # benchmarks/trainers.py: the models, the launch, the per-run figures
 from _common import ROOT, machine, replace_readme_block
+from _common import median_range as _mmm
 
 CONTENDERS = {  # name: label; `trainers.CONTENDERS[name]` is the launch
     "ours_z2_z3": "ours, ZeRO-2 student + ZeRO-3 teacher",
@@ -129,10 +130,6 @@ def ratios(runs: dict) -> dict:
 
 
 # ---- report -------------------------------------------------------------------------------------------------
-def _mmm(d: dict | None, fmt: str = ".0f") -> str:
-    return f"{d['median']:{fmt}} [{d['min']:{fmt}}, {d['max']:{fmt}}]" if d and "median" in d else "n/a"
-
-
 def _cell(row: dict, metric: str, fmt: str = ".0f") -> str:
     if metric in row:
         return _mmm(row[metric], fmt)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from .history import RunHistory
 
+TITLE = "trl-distill report"  # the PNG's Title chunk: `write.write_report` knows its own pictures by it
+
 # (panel title, the logged series it draws, y label)
 PANELS = (
     ("loss", ("loss", "kd_loss", "ce_loss"), "training loss"),
@@ -54,6 +56,6 @@ def write_curves(history: RunHistory, path: str) -> list[str]:
     figure.suptitle(f"trl-distill: {history.directory}", fontsize=9)
     figure.tight_layout()
     titles = [title for title, _, _ in panels]
-    figure.savefig(path, metadata={"Title": "trl-distill report", "Description": "panels: " + "; ".join(titles)})
+    figure.savefig(path, metadata={"Title": TITLE, "Description": "panels: " + "; ".join(titles)})
     plt.close(figure)
     return titles

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from .history import RunHistory
 
+HEADING = "# Distillation report: "  # the summary's first line: `write.write_report` knows its own by it
+
 # The metrics the table lists first, in this order (then any other logged one), and which way is better
 ORDER = ("loss", "kd_loss", "ce_loss", "top1_agreement", "kl_teacher_student", "teacher_ce", "student_entropy",
          "teacher_entropy", "teacher_tail_mass", "aligned_token_share", "on_policy_fraction", "generated_length",
@@ -24,7 +26,7 @@ def _best(name: str, series: list[tuple[int, float]]) -> tuple[int, float]:
 
 def summary(history: RunHistory, picture: str | None = None) -> str:
     """The Markdown summary of `history` (``picture``: the PNG's file name, linked at the top)."""
-    lines = [f"# Distillation report: `{history.directory}`", ""]
+    lines = [f"{HEADING}`{history.directory}`", ""]
     if picture:
         lines += [f"![curves]({picture})", ""]
     settings = dict(history.run.get("settings", {}))

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import os
 
-from .curves import write_curves
+from .curves import TITLE, write_curves
 from .history import load_history
-from .summary import summary
+from .summary import HEADING, summary
 
 PICTURE, TEXT = "report.png", "report.md"
-_PICTURE_TITLE = "trl-distill report"  # the PNG's Title chunk (`curves.write_curves`)
-_TEXT_HEAD = "# Distillation report: "  # the summary's first line (`summary.summary`)
 
 
 def _is_our_picture(path: str) -> bool:
@@ -18,7 +16,7 @@ def _is_our_picture(path: str) -> bool:
 
     try:
         with Image.open(path) as image:
-            return image.info.get("Title") == _PICTURE_TITLE
+            return image.info.get("Title") == TITLE
     except Exception:  # not an image at all
         return False
 
@@ -26,7 +24,7 @@ def _is_our_picture(path: str) -> bool:
 def _is_our_text(path: str) -> bool:
     try:
         with open(path, encoding="utf-8") as f:
-            return f.readline().startswith(_TEXT_HEAD)
+            return f.readline().startswith(HEADING)
     except (OSError, UnicodeDecodeError):
         return False
 
