@@ -208,8 +208,7 @@ class _ChunkedDistillation(torch.autograd.Function):
 
         scale, softcap = (None, None) if head is None else (head.logit_scale, head.softcap)
         work = getattr(teacher, "work", None) or Workspace()  # chunk buffers, shared with a dense teacher's
-        for start in range(0, n, chunk_size):
-            rows_c = slice(start, start + chunk_size)
+        for rows_c in chunk_slices(n, chunk_size, getattr(teacher, "bounds", None)):
             hs = h_s[rows_c]
             signal = teacher.chunk(rows_c, compute)
             if s_weight is None:  # the model's own logits: a copy, so nothing below writes into them
@@ -220,8 +219,9 @@ class _ChunkedDistillation(torch.autograd.Function):
             with torch.set_grad_enabled(want_grad):
                 raw.requires_grad_(want_grad)
                 logits = finalise_logits(raw, scale, softcap)
-                if diagnostics is not None:  # before the closed form, which overwrites the signal
-                    with torch.no_grad():
+                if diagnostics is not None:  # before the closed form, which overwrites the signal; in fp32 even
+                    # under autocast (bf16 mixed precision), whose bf16 dot products would swamp a KL of 1e-2
+                    with torch.no_grad(), torch.autocast(logits.device.type, enabled=False):
                         teacher.observe(diagnostics, rows_c, logits.detach(), signal,
                                         labels[rows_c] if has_ce else None, settings)
                 w = None  # per-row weights (an importance-sampling correction of rollouts), else 1
@@ -255,6 +255,8 @@ class _ChunkedDistillation(torch.autograd.Function):
                     if want_grad and ce_grad:
                         outputs.append((ce, gh_ce, gw_ce, gb_ce))
             kd_sum += kd.detach()
+            if hasattr(teacher, "tally"):  # a signal of several teachers counts each one's part
+                teacher.tally(rows_c, kd.detach())
             ce_sum += ce.detach() if has_ce else 0.0
             if not want_grad:
                 continue
@@ -292,6 +294,14 @@ class _ChunkedDistillation(torch.autograd.Function):
         if grad_h is not None and rows is not None:
             grad_h = grad_h.new_zeros(ctx.hidden_shape).index_copy_(0, rows, grad_h)
         return grad_h, combine(gw_kd, gw_ce), combine(gb_kd, gb_ce), *([None] * 11)
+
+
+def chunk_slices(n: int, size: int, bounds: list[int] | None = None) -> list[slice]:
+    """The loss rows ``[0, n)`` a chunk of at most `size` at a time; with `bounds` (segment starts and the end, e.g.
+    each teacher's rows of a routed signal) no chunk straddles a segment's edge."""
+    edges = [0, n] if bounds is None else bounds
+    return [slice(start, min(start + size, stop)) for lo, stop in zip(edges, edges[1:])
+            for start in range(lo, stop, size)]
 
 
 def select_loss_rows(

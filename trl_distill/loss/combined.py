@@ -1,0 +1,154 @@
+"""The teacher side of the fused loss when several teachers teach one student (`teacher.panel`): three ways to
+combine their signals, each itself a `loss.signal.TeacherSignal`, so the chunked pass is the same one.
+
+- `RoutedSignal` (``teacher_combine="route"``): each loss row has one teacher. The loss rows are ordered teacher by
+  teacher (`order`), and the fused loss cuts its chunks at the teachers' edges (`bounds`), so every chunk is one
+  teacher's: the loss is exactly the sum of each teacher's loss on its own rows.
+- `MixtureSignal` (``"mixture"``): the divergence against the one distribution ``p = Σ w_i p_i``, its log taken
+  chunk by chunk from each teacher's full log-probs (``log Σ exp(log w_i + log p_i)``); the forward KL keeps its
+  closed-form gradient. Needs each teacher's whole distribution: live teachers only.
+- `SumSignal` (``"sum"``): the weighted sum of divergences ``Σ w_i D(p_i ‖ q)``, each term as that teacher's signal
+  computes it (dense, or a cache's or a server's top-k).
+
+Each counts its teachers' parts of the KD sum (`parts`), which the trainer logs per teacher.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from .diagnostics import observe_dense
+from .fused import DenseTeacherSignal
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from .diagnostics import LossDiagnostics
+    from .fused import LossSettings
+    from .signal import TeacherSignal
+
+__all__ = ["MixtureSignal", "RoutedSignal", "SumSignal", "routed_order"]
+
+
+def routed_order(route: Tensor, count: int) -> tuple[Tensor, list[int]]:
+    """``(order, bounds)`` for the loss rows' teacher indices `route` ``[n]`` in ``[0, count)``: the row order that
+    groups them teacher by teacher (stable: the loss's own order within a teacher), and where each teacher's rows
+    start (plus the end)."""
+    order = torch.sort(route, stable=True).indices
+    sizes = torch.bincount(route, minlength=count).tolist()
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    return order, bounds
+
+
+class RoutedSignal:
+    """One teacher per loss row: `signals[i]` covers teacher i's rows, which are rows ``bounds[i]:bounds[i+1]`` of the
+    loss once it has taken its rows in `order` (`routed_order`)."""
+
+    def __init__(self, signals: list[TeacherSignal], order: Tensor, bounds: list[int]):
+        self.signals, self.order, self.bounds = signals, order, bounds
+        present = [s for i, s in enumerate(signals) if bounds[i + 1] > bounds[i]]
+        self.closed_form = bool(present) and all(s.closed_form for s in present)
+        self.parts = [0.0] * len(signals)  # each teacher's KD sum (tensors once counted)
+        self._owner = 0
+
+    def _local(self, rows: slice) -> tuple[int, slice]:
+        i = bisect.bisect_right(self.bounds, rows.start) - 1
+        while self.bounds[i + 1] <= rows.start:  # skip teachers with no rows
+            i += 1
+        start = self.bounds[i]
+        if rows.stop > self.bounds[i + 1]:
+            raise RuntimeError(f"Loss rows {rows.start}:{rows.stop} straddle two teachers' rows (edges {self.bounds}).")
+        return i, slice(rows.start - start, rows.stop - start)
+
+    def chunk(self, rows: slice, compute: torch.dtype):
+        # The fused loss asks for a chunk, then (maybe) observes it, then takes its per-token divergence: the owner
+        # of the chunk asked for last is the one `per_token` asks.
+        self._owner, local = self._local(rows)
+        return self.signals[self._owner].chunk(local, compute)
+
+    def per_token(self, student_logp: Tensor, chunk, settings: LossSettings) -> Tensor:
+        return self.signals[self._owner].per_token(student_logp, chunk, settings)
+
+    def observe(self, into: LossDiagnostics, rows: slice, logits: Tensor, chunk, labels: Tensor | None,
+                settings: LossSettings) -> None:
+        i, local = self._local(rows)
+        self.signals[i].observe(into, local, logits, chunk, labels, settings)
+
+    def observe_batch(self, into: LossDiagnostics) -> None:
+        for signal in self.signals:
+            if hasattr(signal, "observe_batch"):
+                signal.observe_batch(into)
+
+    def tally(self, rows: slice, kd: Tensor) -> None:
+        i, _ = self._local(rows)
+        self.parts[i] = self.parts[i] + kd
+
+
+class MixtureSignal:
+    """The mixture ``Σ w_i p_i`` of dense teachers' distributions (weights summing to 1) as one teacher."""
+
+    closed_form = True
+
+    def __init__(self, signals: list[TeacherSignal], weights: list[float]):
+        if not all(s.closed_form for s in signals):
+            raise ValueError("teacher_combine='mixture' needs each teacher's whole distribution; a teacher cache or "
+                             "a served teacher gives its top-k only: use teacher_combine='sum'.")
+        self.signals = signals
+        self.log_weights = [math.log(w) if w > 0 else -math.inf for w in weights]
+
+    def chunk(self, rows: slice, compute: torch.dtype) -> Tensor:
+        mixed = None
+        for signal, log_w in zip(self.signals, self.log_weights, strict=True):
+            if log_w == -math.inf:
+                continue
+            part = signal.chunk(rows, compute)  # that teacher's buffer, reused at its next chunk: add it now
+            mixed = part + log_w if mixed is None else torch.logaddexp(mixed, part.add_(log_w))
+        return mixed
+
+    # Its chunk is full log-probs, like a dense teacher's: the same per-token divergence and metrics
+    per_token = staticmethod(DenseTeacherSignal.per_token)
+    observe = staticmethod(DenseTeacherSignal.observe)
+
+
+class SumSignal:
+    """``Σ w_i D(p_i ‖ q)``: each teacher's divergence from its own signal (any kind), weighted."""
+
+    closed_form = False
+
+    def __init__(self, signals: list[TeacherSignal], weights: list[float]):
+        self.signals, self.weights = signals, weights
+        self.parts = [0.0] * len(signals)
+
+    def chunk(self, rows: slice, compute: torch.dtype) -> list:
+        return [signal.chunk(rows, compute) if w else None for signal, w in zip(self.signals, self.weights,
+                                                                              strict=True)]
+
+    def per_token(self, student_logp: Tensor, chunks: list, settings: LossSettings) -> Tensor:
+        total = None
+        for i, (signal, w, chunk) in enumerate(zip(self.signals, self.weights, chunks, strict=True)):
+            if not w:
+                continue
+            term = w * signal.per_token(student_logp, chunk, settings)
+            self.parts[i] = self.parts[i] + term.detach().sum()
+            total = term if total is None else total + term
+        return total
+
+    def observe(self, into: LossDiagnostics, rows: slice, logits: Tensor, chunks: list, labels: Tensor | None,
+                settings: LossSettings) -> None:
+        """The diagnostics against the teachers' mixture, when every teacher gives its whole distribution (else
+        none: top-k signals have no common support)."""
+        if not all(s.closed_form for s in self.signals):
+            return
+        total = sum(self.weights)
+        mixed = None
+        for w, chunk in zip(self.weights, chunks, strict=True):
+            if w:
+                part = chunk + math.log(w / total)
+                mixed = part if mixed is None else torch.logaddexp(mixed, part)
+        observe_dense(into, logits, mixed, labels, settings.temperature)
