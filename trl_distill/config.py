@@ -19,6 +19,7 @@ from .runtime.distributed import prepare_cpu_distributed_state
 from .runtime.guards import GuardFields, check_guard_args
 from .runtime.validation import refuse_quantization_without_gpu
 from .teacher.resolve import refuse_unsupported
+from .teacher.specs import check_teachers
 
 
 @dataclass
@@ -50,6 +51,8 @@ class DistillationConfig(SFTConfig, EngineRolloutFields, GuardFields):
         teacher with another tokenizer (cross-tokenizer distillation on aligned text, `trl_distill.cross_tokenizer`).
     teacher_server: distil from a teacher served by vLLM at this URL (no teacher in the training processes; its
         top-k per loss token, as from a cache); `teacher_server_top_k` / `_timeout` / `_concurrency` tune it.
+    teachers, teacher_combine, teacher_weights, teacher_column: several teachers at once, each of any kind, routed per
+        row by a dataset column or mixed (`trl_distill.teacher.panel`).
     teacher_step_pass, teacher_batch_size: the teacher runs once per optimizer step over all its micro-batches (at
         most `teacher_batch_size` rows per forward), so a ZeRO-3 teacher is gathered once per step.
     temperature, alpha, beta, skew_alpha, kd_temperature_scaling, loss_chunk_size: see each field's help.
@@ -154,6 +157,31 @@ class DistillationConfig(SFTConfig, EngineRolloutFields, GuardFields):
     teacher_server_concurrency: int = field(
         default=4, metadata={"help": "Teacher-server requests in flight per process."}
     )
+    teachers: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Several teachers, each NAME=SOURCE: SOURCE a path or hub id (a live teacher, its own ZeRO-3 "
+            "plugin), cache:DIR (a teacher cache) or an http(s):// URL (a vLLM server). A recipe may give dicts "
+            "(name, model/cache/server, deepspeed, init_kwargs, served_model). --teacher_combine says how they teach."
+        },
+    )
+    teacher_combine: str = field(
+        default="route",
+        metadata={
+            "help": "With several teachers: 'route' (each row learns from the teacher its teacher_column names; "
+            "rows naming none, from the first listed), 'mixture' (the divergence against the mixture of their "
+            "distributions, weights summing to 1; live teachers) or 'sum' (the weighted sum of each teacher's "
+            "divergence; any kind).",
+            "choices": ["route", "mixture", "sum"],
+        },
+    )
+    teacher_weights: list[float] | None = field(
+        default=None, metadata={"help": "The teachers' weights for mixture / sum, in the order of --teachers "
+                                "(default: equal)."}
+    )
+    teacher_column: str = field(
+        default="teacher", metadata={"help": "The dataset column naming each row's teacher (teacher_combine=route)."}
+    )
     divergence: str = field(
         default="forward_kl",
         metadata={
@@ -254,6 +282,7 @@ class DistillationConfig(SFTConfig, EngineRolloutFields, GuardFields):
             )
         check_engine_args(self)
         check_guard_args(self)
+        check_teachers(self)  # several teachers: their entries, weights and modes
         refuse_unsupported(self)  # what the run's kind of teacher refuses, where the arguments name both
         for name in ("model_init_kwargs", "teacher_model_init_kwargs"):
             refuse_quantization_without_gpu(getattr(self, name), name)

@@ -24,7 +24,7 @@ from .runtime.metrics import DistillMetrics, TrainingBounds
 from .runtime.run_lock import refuse_if_locked, take_run_lock
 from .runtime.validation import check_dataset_not_empty, check_output_dir, run_inputs, shared_vocab_size
 from .teacher import TeacherBatch, resolve_teacher
-from .teacher.live import STUDENT, TEACHER
+from .teacher.live import STUDENT
 
 
 class DistillationTrainer(SFTTrainer):
@@ -75,6 +75,7 @@ class DistillationTrainer(SFTTrainer):
         check_dataset_not_empty(train_dataset, "train", "given")
         self.teacher = resolve_teacher(teacher_model, args, student=model, processing_class=processing_class,
                                        eval_dataset=eval_dataset, peft_config=peft_config)  # the one teacher source
+        self.teacher.check_rows(train_dataset, eval_dataset)  # several teachers: each row's, before anything loads
         processing_class = processing_class or self.teacher.student_tokenizer
         if args.assistant_only_loss is None:
             processing_class = processing_class or prepare.student_tokenizer(model, train_dataset)
@@ -129,13 +130,14 @@ class DistillationTrainer(SFTTrainer):
     # ---- Setup: two DeepSpeed plugins, teacher prepared once after the Trainer's `free_memory()` ----
 
     def _build_accelerator_args(self, **kwargs):
-        """Give the Accelerator two plugins, {"student": the Trainer's, "teacher": the teacher's own (ZeRO-3)}."""
+        """Give the Accelerator the student's plugin (the Trainer's) and each teacher's own (ZeRO-3), by name:
+        {"student": ..., "teacher": ...}, or one "teacher:NAME" per live teacher when several teach."""
         accelerator_args = super()._build_accelerator_args(**kwargs)
         student_plugin = accelerator_args.get("deepspeed_plugin")
         refuse_zero3_student_sampling(self.args, student_plugin)
-        teacher_plugin = self.teacher.plugin(self.args, student_plugin)
-        if teacher_plugin is not None:
-            accelerator_args["deepspeed_plugin"] = {STUDENT: student_plugin, TEACHER: teacher_plugin}
+        teacher_plugins = self.teacher.plugins(self.args, student_plugin)
+        if teacher_plugins:
+            accelerator_args["deepspeed_plugin"] = {STUDENT: student_plugin, **teacher_plugins}
         return accelerator_args
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
@@ -252,6 +254,7 @@ class DistillationTrainer(SFTTrainer):
             # a per-micro-batch mean: the Trainer divides the loss by the accumulation steps; log alike
             kd, ce = kd / self.current_gradient_accumulation_steps, ce / self.current_gradient_accumulation_steps
         self.metrics.record(kd, ce, target.shape[0], loss, on_policy=self.model.training and self.sampler.on_policy)
+        self.metrics.record_teachers(kd, self.teacher.kd_parts())  # several teachers: each one's part
         if return_outputs:
             return loss, {"kd_loss": kd.detach(), "ce_loss": ce.detach()}
         return loss
@@ -272,10 +275,12 @@ class DistillationTrainer(SFTTrainer):
         """Runs inside the student's forward: both lm_heads (or the student's and the teacher's signal), a chunk of
         completion rows at a time; a model on the exact path hands its own logits instead."""
         s_flat, rows, labels = select_loss_rows(student.states, mask, target.clamp(min=0))
-        heads = [h for h in (student.head, teacher.head) if h is not None]
+        heads = [h for h in (student.head, *getattr(teacher, "heads", (teacher.head,))) if h is not None]
         settings = self.loss_settings
         with gathered(*(p for head in heads for p in head.params)):
             signal = teacher.signal(rows, len(labels), settings)
+            if getattr(signal, "order", None) is not None:  # routed: the rows teacher by teacher (`loss.combined`)
+                rows, labels = rows.index_select(0, signal.order), labels.index_select(0, signal.order)
             return fused_loss(s_flat, student.head, signal, settings, rows, labels, num_items_in_batch, correction,
                               self.metrics.diagnostics())
 

@@ -55,6 +55,7 @@ def test_recipe_parses_with_command_line_overrides():
         ("quickstart.yaml", {"divergence": "forward_kl", "alpha": 1.0}),
         ("lora_student.yaml", {"divergence": "forward_kl", "alpha": 0.5, "use_peft": True, "lora_r": 16}),
         ("reverse_kl_chat.yaml", {"divergence": "reverse_kl", "temperature": 2.0, "alpha": 0.7}),
+        ("two_teachers.yaml", {"teacher_combine": "route", "teacher_column": "teacher", "alpha": 0.5}),
     ],
 )
 def test_every_recipe_parses(recipe, expected):
@@ -67,8 +68,11 @@ def test_every_recipe_parses(recipe, expected):
     for key, value in expected.items():
         assert getattr(model_args if hasattr(model_args, key) else args, key) == value, key
     assert (CONFIGS.parent / args.teacher_deepspeed).is_file()
+    for spec in args.teachers or ():  # a recipe's list of teachers, parsed
+        assert spec.model.endswith("_TEACHER")
+        assert spec.deepspeed is None or (CONFIGS.parent / spec.deepspeed).is_file()
 
 
 def test_every_shipped_recipe_is_tested():
-    tested = {"quickstart.yaml", "lora_student.yaml", "reverse_kl_chat.yaml"}
+    tested = {"quickstart.yaml", "lora_student.yaml", "reverse_kl_chat.yaml", "two_teachers.yaml"}
     assert {p.name for p in (CONFIGS / "recipes").glob("*.yaml")} == tested

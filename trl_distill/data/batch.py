@@ -42,10 +42,10 @@ class SignalHolder:
         return self._signal
 
 
-def pop_signal(inputs: dict) -> SparseTeacherSignal | None:
-    """Remove the teacher signal from a batch (the model must not see it), on the batch's device; None for a batch
-    without one."""
-    holder = inputs.pop(SIGNAL, None)
+def pop_signal(inputs: dict, key: str = SIGNAL) -> SparseTeacherSignal | None:
+    """Remove the teacher signal (under `key`: one per teacher when several teach) from a batch (the model must not
+    see it), on the batch's device; None for a batch without one."""
+    holder = inputs.pop(key, None)
     if holder is None:
         return None
     device = inputs["input_ids"].device

@@ -20,7 +20,8 @@ class DistillMetrics:
 
     def __init__(self, trainer):
         self.trainer = trainer
-        self.sums = {"kd_loss": 0.0, "ce_loss": 0.0}
+        self.sums = {"kd_loss": 0.0, "ce_loss": 0.0}  # (several teachers: and each one's kd_loss/NAME)
+        self.teacher_tokens: dict[str, int] = {}  # routed teachers: each one's loss tokens since the last log
         self.last_logged_step = 0
         self.guards = Guards(trainer)
         self.window = LossDiagnostics(trainer.args.device)  # training: since the last log
@@ -73,6 +74,18 @@ class DistillMetrics:
             values = trainer.accelerator.gather_for_metrics(value.detach().reshape(1).repeat(batch_size))
             compat.eval_metric_values(trainer, name).extend(values.tolist())
 
+    def record_teachers(self, kd: torch.Tensor, parts: dict | None) -> None:
+        """Several teachers, in training: each one's part of this micro-batch's `kd` (its share of the KD sum, so the
+        parts add up to `kd_loss`) and, routed, its loss tokens."""
+        if parts is None or not self.trainer.model.training:
+            return
+        total = sum(part.to(kd.device) for part, _ in parts.values())
+        for name, (part, tokens) in parts.items():
+            share = torch.where(total > 0, part.to(kd.device) / total.clamp_min(1e-30), torch.zeros_like(total))
+            self.sums[f"kd_loss/{name}"] = self.sums.get(f"kd_loss/{name}", 0.0) + kd.detach() * share
+            if tokens is not None:
+                self.teacher_tokens[name] = self.teacher_tokens.get(name, 0) + tokens
+
     def log_into(self, logs: dict[str, float]) -> None:
         """Add the means since the last log to a training log, and the sampler's (collective: every rank logs); then
         the collapse guard on them."""
@@ -82,6 +95,13 @@ class DistillMetrics:
             total = torch.as_tensor(total, device=trainer.args.device, dtype=torch.float32)
             logs[name] = trainer.accelerator.gather(total.reshape(1)).mean().item() / steps
             self.sums[name] = 0.0
+        if self.teacher_tokens:  # each routed teacher's share of every rank's loss tokens
+            counts = torch.tensor(list(self.teacher_tokens.values()), dtype=torch.float64, device=trainer.args.device)
+            counts = trainer.accelerator.reduce(counts, reduction="sum") if trainer.accelerator.num_processes > 1 \
+                else counts
+            for name, count in zip(self.teacher_tokens, counts.tolist(), strict=True):
+                logs[f"teacher_tokens/{name}"] = count / max(counts.sum().item(), 1.0)
+            self.teacher_tokens = dict.fromkeys(self.teacher_tokens, 0)
         self.last_logged_step = trainer.state.global_step
         if trainer.args.log_distill_metrics:
             logs.update(self.reduced(self.window))
@@ -119,6 +139,7 @@ class DistillMetrics:
     def restart(self, step: int) -> None:
         self.last_logged_step = step
         self.sums = dict.fromkeys(self.sums, 0.0)
+        self.teacher_tokens = dict.fromkeys(self.teacher_tokens, 0)
         self.window.reset()
 
 

@@ -70,6 +70,19 @@ class TeacherSource(ABC):
             logger.warning("Ignoring `teacher_deepspeed`: the teacher is %s; it has no engine.", self.describe())
         return None
 
+    def plugins(self, args, student_plugin) -> dict[str, DeepSpeedPlugin]:
+        """Every DeepSpeed plugin of this teacher beside the student's, by name (`plugin`'s under "teacher")."""
+        plugin = self.plugin(args, student_plugin)
+        return {} if plugin is None else {getattr(self, "plugin_name", "teacher"): plugin}
+
+    def check_rows(self, train_dataset, eval_dataset) -> None:
+        """Check the raw datasets' rows fit this teacher before anything loads (several teachers: each row's)."""
+        return None
+
+    def kd_parts(self) -> dict | None:
+        """Several teachers: each one's part of the last micro-batch's KD sum (and its loss tokens); else None."""
+        return None
+
     def prepare_dataset(self, dataset, name: str):
         """The prepared `dataset` with the columns this kind needs (called for every split SFT prepares)."""
         return dataset

@@ -21,7 +21,7 @@ ROW = "teacher_cache_row"  # the column added to the prepared train dataset: the
 class CachedTeacher(TeacherSource):
     """The teacher cache at `directory` as the source of each batch's teacher signal."""
 
-    columns = (ROW,)
+    row_column, signal_key = ROW, SIGNAL  # its dataset column and batch key (one per teacher when several teach)
     name = None  # what the run record holds: no teacher model
     refused = {
         "on-policy": "A teacher cache holds the teacher's distribution on the dataset's completions only; on-policy "
@@ -39,6 +39,10 @@ class CachedTeacher(TeacherSource):
     def __init__(self, directory: str):
         self.cache = TeacherCache(directory)
 
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return (self.row_column,)
+
     def describe(self) -> str:
         return f"the teacher cache {self.cache.directory}"
 
@@ -51,11 +55,12 @@ class CachedTeacher(TeacherSource):
             raise ValueError("Training from a teacher cache needs a prepared (map-style) train dataset with `labels`, "
                              "as SFT's dataset preparation makes it (not an IterableDataset or skip_prepare_dataset).")
         self.cache.check_fits(trainer.processing_class, trainer.vocab_size, args.temperature, args.max_length, dataset)
-        trainer.train_dataset = dataset.add_column(ROW, np.arange(len(dataset), dtype=np.int64))
-        trainer.data_collator = CachedTeacherCollator(trainer.data_collator, self.cache)
+        trainer.train_dataset = dataset.add_column(self.row_column, np.arange(len(dataset), dtype=np.int64))
+        trainer.data_collator = CachedTeacherCollator(trainer.data_collator, self.cache, self.row_column,
+                                                      self.signal_key)
 
     def pop_batch(self, inputs: dict):
-        return pop_signal(inputs)
+        return pop_signal(inputs, self.signal_key)
 
     def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> SparseRows:
         return SparseRows(extras)
@@ -64,11 +69,11 @@ class CachedTeacher(TeacherSource):
 class CachedTeacherCollator:
     """Wraps the trainer's collator: pops each example's cache row and adds the rows' signal to the batch."""
 
-    def __init__(self, collator, cache: TeacherCache):
-        self.collator, self.cache = collator, cache
+    def __init__(self, collator, cache: TeacherCache, column: str = ROW, key: str = SIGNAL):
+        self.collator, self.cache, self.column, self.key = collator, cache, column, key
 
     def __call__(self, examples: list[dict]) -> dict:
-        rows = [int(example[ROW]) for example in examples]
-        batch = self.collator([{k: v for k, v in example.items() if k != ROW} for example in examples])
-        batch[SIGNAL] = SignalHolder(self.cache.signal(rows))
+        rows = [int(example[self.column]) for example in examples]
+        batch = self.collator([{k: v for k, v in example.items() if k != self.column} for example in examples])
+        batch[self.key] = SignalHolder(self.cache.signal(rows))
         return batch

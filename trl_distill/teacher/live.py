@@ -40,17 +40,18 @@ STUDENT, TEACHER = "student", "teacher"
 _ROWS_PER_PROJECTION = 256
 
 
-def uses_two_plugins(accelerator) -> bool:
+def uses_two_plugins(accelerator, name: str = TEACHER) -> bool:
+    """Whether the accelerator holds the teacher plugin `name` beside the student's."""
     plugins = getattr(accelerator.state, "deepspeed_plugins", None)
-    return isinstance(plugins, dict) and TEACHER in plugins
+    return isinstance(plugins, dict) and name in plugins
 
 
 @contextlib.contextmanager
-def teacher_plugin_selected(accelerator):
-    """Select the teacher's DeepSpeed plugin for the block; always select the student's again after it."""
-    accelerator.state.select_deepspeed_plugin(TEACHER)
+def teacher_plugin_selected(accelerator, name: str = TEACHER):
+    """Select the teacher's DeepSpeed plugin `name` for the block; always select the student's again after it."""
+    accelerator.state.select_deepspeed_plugin(name)
     try:
-        yield accelerator.state.get_deepspeed_plugin(TEACHER)
+        yield accelerator.state.get_deepspeed_plugin(name)
     finally:
         accelerator.state.select_deepspeed_plugin(STUDENT)
 
@@ -63,6 +64,13 @@ class LiveTeacher(TeacherSource):
         init_kwargs: keyword arguments for `from_pretrained` (ignored for a model instance).
         tokenizer: the teacher's own tokenizer, when it has one (checked against the student's as it attaches).
     """
+
+    plugin_name = TEACHER
+    """Its DeepSpeed plugin's name beside the student's (one per teacher when several teach: `panel`)."""
+    label = "teacher"
+    """What the logit-path check calls it."""
+    deepspeed_config = None
+    """Its own DeepSpeed config (path, JSON string or dict); None: `args.teacher_deepspeed`, else derived."""
 
     def __init__(self, source: str | os.PathLike | PreTrainedModel, init_kwargs: dict | None = None, tokenizer=None):
         if isinstance(source, os.PathLike):
@@ -116,14 +124,16 @@ class LiveTeacher(TeacherSource):
         says otherwise (see `deepspeed_config.build_teacher_config`). `config_notes` says what was filled. None for a
         student without DeepSpeed (the teacher then runs on the training device)."""
         if student_plugin is None:
-            if args.teacher_deepspeed is not None:
+            if args.teacher_deepspeed is not None or self.deepspeed_config is not None:
+                what = "`teacher_deepspeed`" if self.deepspeed_config is None else f"{self.label}'s `deepspeed`"
                 raise ValueError(
-                    "`teacher_deepspeed` is set but the student does not use DeepSpeed. Pass `deepspeed=` (e.g. a "
+                    f"{what} is set but the student does not use DeepSpeed. Pass `deepspeed=` (e.g. a "
                     "ZeRO-2 config) or launch with `accelerate launch --use_deepspeed`."
                 )
             return None
         self.config_notes = []
-        config = build_teacher_config(args.teacher_deepspeed, student_plugin.deepspeed_config, args,
+        given = self.deepspeed_config if self.deepspeed_config is not None else args.teacher_deepspeed
+        config = build_teacher_config(given, student_plugin.deepspeed_config, args,
                                       hidden_size(self.config), notes=self.config_notes)
         stage = config["zero_optimization"].get("stage", 0)
         if args.seq_kd and stage == 3:
@@ -164,8 +174,8 @@ class LiveTeacher(TeacherSource):
         """Load (if needed) and prepare the teacher. Collective under DeepSpeed: call on every rank, once."""
         if self.prepared:
             return
-        if uses_two_plugins(accelerator):
-            with teacher_plugin_selected(accelerator):
+        if uses_two_plugins(accelerator, self.plugin_name):
+            with teacher_plugin_selected(accelerator, self.plugin_name):
                 model = self._load()
                 freeze(model)
                 add_fused_distillation_forward(model)
@@ -209,7 +219,7 @@ class LiveTeacher(TeacherSource):
     # ---- In training: the step pass, the logit check, the loss's teacher rows ----
 
     def logit_candidates(self, model_inputs: dict, extras) -> list[tuple[str, object, object, dict]]:
-        return [("teacher", self.engine, self.module, model_inputs)]
+        return [(self.label, self.engine, self.module, model_inputs)]
 
     def before_step(self, batch_samples: list[dict]) -> None:
         if self.step_pass.applies(batch_samples):

@@ -51,8 +51,12 @@ def resolve_teacher(teacher_model, args, *, student, processing_class, eval_data
         raise TypeError("DistillationTrainer(model, teacher_model, args, ...): "
                         "the second positional argument is the teacher. Pass the training arguments by keyword, "
                         "`args=...`.")
-    teacher_model = teacher_model if teacher_model is not None else args.teacher_model_name_or_path
     peft = peft_config is not None or hasattr(student, "disable_adapter")
+    if args.teachers is not None:
+        if teacher_model is not None:
+            raise ValueError("Pass the teachers either as `teacher_model=` or as `args.teachers`, not both.")
+        return resolve_panel(args, student, processing_class, eval_dataset, peft)
+    teacher_model = teacher_model if teacher_model is not None else args.teacher_model_name_or_path
     if args.teacher_server is not None:
         if args.teacher_cache is not None:
             raise ValueError("Pass either --teacher_server (a served teacher) or --teacher_cache (a cache of it) for "
@@ -85,14 +89,42 @@ def resolve_teacher(teacher_model, args, *, student, processing_class, eval_data
     return source
 
 
-def _live_or_cross(teacher_model, args, student, processing_class) -> LiveTeacher:
+def resolve_panel(args, student, processing_class, eval_dataset, peft: bool) -> TeacherSource:
+    """`args.teachers` (`specs.TeacherSpec` entries, checked as the config was built) as one `panel.TeacherPanel`,
+    each member's refusals checked; teachers with another tokenizer than the student's are refused together."""
+    from .panel import TeacherPanel
+
+    members, foreign = {}, []
+    for spec in args.teachers:
+        if spec.kind == "cache":
+            member = CachedTeacher(spec.cache)
+        elif spec.kind == "server":
+            member = ServedTeacher(spec.server, spec.served_model, args.teacher_server_top_k,
+                                   args.teacher_server_timeout, args.teacher_server_concurrency)
+        else:
+            member = _live_or_cross(spec.model, args, student, processing_class,
+                                    spec.init_kwargs or args.teacher_model_init_kwargs)
+            member.deepspeed_config = spec.deepspeed
+            if isinstance(member, CrossTokenizerTeacher):
+                foreign.append(spec.name)
+        type(member).refuse(args, eval_dataset=eval_dataset, peft=peft)
+        members[spec.name] = member
+    if foreign:
+        raise ValueError(f"The teachers {foreign} have another tokenizer than the student's; several teachers are "
+                         "compared with the student token by token and need its tokenizer (cross-tokenizer "
+                         "distillation takes one teacher: --teacher_model_name_or_path).")
+    return TeacherPanel(members, args.teacher_combine, args.teacher_weights, args.teacher_column)
+
+
+def _live_or_cross(teacher_model, args, student, processing_class, init_kwargs=None) -> LiveTeacher:
     """A `LiveTeacher` with its own tokenizer (when it has one), or a `CrossTokenizerTeacher` when that tokenizer
     maps tokens to other ids than the student's (or `args.cross_tokenizer` says so)."""
-    live = LiveTeacher(teacher_model, args.teacher_model_init_kwargs)
+    init_kwargs = args.teacher_model_init_kwargs if init_kwargs is None else init_kwargs
+    live = LiveTeacher(teacher_model, init_kwargs)
     tokenizer = load_teacher_tokenizer(args, live.source)
     mine = processing_class or tokenizer_of(student) if tokenizer is not None else None
     if mine is not None and wants_cross_tokenizer(args, mine, tokenizer):
-        return CrossTokenizerTeacher(live.source, args.teacher_model_init_kwargs, mine, tokenizer, args)
+        return CrossTokenizerTeacher(live.source, init_kwargs, mine, tokenizer, args)
     live.tokenizer = tokenizer
     return live
 
@@ -177,9 +209,14 @@ def check_teacher_flags(args, use_peft: bool) -> None:
     """The CLI's checks of the teacher flags that need no model: fail in seconds, before anything is loaded."""
     from ..runtime.validation import check_model_path
 
+    if args.teachers:  # several (`specs.check_teachers` has parsed them): each model path, as for one teacher
+        for spec in args.teachers:
+            if spec.kind == "model":
+                check_model_path(spec.model, f"--teachers {spec.name}")
+        return
     if not (args.teacher_model_name_or_path or args.teacher_cache or args.teacher_server):
         raise ValueError("Pass the teacher with --teacher_model_name_or_path (or a cache of it with --teacher_cache, "
-                         "or a vLLM server of it with --teacher_server).")
+                         "or a vLLM server of it with --teacher_server), or several with --teachers NAME=SOURCE ...")
     if args.teacher_model_name_or_path == SELF and not use_peft:
         raise ValueError("--teacher_model_name_or_path self (self-distillation) needs a LoRA student: add --use_peft.")
     if not (args.teacher_cache or args.teacher_server or args.teacher_model_name_or_path == SELF):

@@ -23,13 +23,18 @@ class DenseRows:
     head: LMHead | None
     selected: bool = False
 
-    def signal(self, rows: torch.Tensor | None, n: int, settings: LossSettings) -> DenseTeacherSignal:
+    def signal(self, rows: torch.Tensor | None, n: int, settings: LossSettings,
+               picks: torch.Tensor | None = None) -> DenseTeacherSignal:
+        """Over the `n` loss rows (`rows`: their indices into the kept positions), or, with `picks`, over those of
+        them only (indices into the `n`: a routed teacher's rows)."""
         states = self.states
         if not self.selected:
             states = states.reshape(-1, states.shape[-1])
             states = states if rows is None else states.index_select(0, rows)
         if states.shape[0] != n:
             raise RuntimeError(f"The teacher has {states.shape[0]} loss rows, the student {n}.")
+        if picks is not None:
+            states = states.index_select(0, picks)
         return DenseTeacherSignal(states.detach(), self.head, settings.vocab_size, settings.temperature)
 
 
@@ -40,5 +45,9 @@ class SparseRows:
     sparse: SparseTeacherSignal
     head: LMHead | None = None
 
-    def signal(self, rows: torch.Tensor | None, n: int, settings: LossSettings) -> SparseSignalChunks:
-        return SparseSignalChunks(self.sparse, n, settings.vocab_size)
+    def signal(self, rows: torch.Tensor | None, n: int, settings: LossSettings,
+               picks: torch.Tensor | None = None) -> SparseSignalChunks:
+        chunks = SparseSignalChunks(self.sparse, n, settings.vocab_size)  # checked against all n rows
+        if picks is not None:
+            chunks.signal = SparseTeacherSignal(*(t.index_select(0, picks.to(t.device)) for t in self.sparse))
+        return chunks

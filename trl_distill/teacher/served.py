@@ -58,6 +58,8 @@ class ServedTeacher(TeacherSource):
         "teacher_tokenizer_name_or_path and cross_tokenizer with --teacher_server.",
     }
 
+    signal_key = SIGNAL  # its batch key (one per teacher when several teach)
+
     def __init__(self, url: str, model: str | None, top_k: int = 64, timeout: float = 120.0, concurrency: int = 4):
         self.client = TeacherServerClient(url, model or "", timeout=timeout)
         self.top_k, self.concurrency = top_k, concurrency
@@ -96,7 +98,7 @@ class ServedTeacher(TeacherSource):
     def pop_batch(self, inputs: dict):
         """The batch's signal (waited for here); a server fault met on any rank stops every rank, with its line."""
         try:
-            signal, failure = pop_signal(inputs), None
+            signal, failure = pop_signal(inputs, self.signal_key), None
         except ExternalError as error:  # raised on the request's thread (or in a DataLoader worker)
             signal, failure = None, error
         first = first_failure(None if failure is None else str(failure), self.trainer.accelerator)
@@ -119,7 +121,7 @@ class ServedTeacher(TeacherSource):
         return self._sampler
 
     def score_sampled(self, batch: dict, source: dict | None = None) -> None:
-        batch[SIGNAL] = self.request(batch)  # the sampled rows' top-k, asked for at once
+        batch[self.signal_key] = self.request(batch)  # the sampled rows' top-k, asked for at once
 
     def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> SparseRows:
         return SparseRows(extras)
@@ -142,7 +144,7 @@ class ServedTeacher(TeacherSource):
         for rows in mine:
             examples = [columns[i] for i in rows]
             batch = self.trainer.data_collator(examples)
-            pending.append((rows, examples, loss_tokens(batch)[1], batch.pop(SIGNAL)))
+            pending.append((rows, examples, loss_tokens(batch)[1], batch.pop(self.signal_key)))
         records = []
         for rows, examples, mask, holder in pending:
             signal = holder.signal
@@ -282,7 +284,7 @@ class ServedTeacherCollator:
 
     def __call__(self, examples: list[dict]) -> dict:
         batch = self.collator(examples)
-        batch[SIGNAL] = self.source.request(batch)
+        batch[self.source.signal_key] = self.source.request(batch)
         return batch
 
 

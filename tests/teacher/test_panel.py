@@ -1,0 +1,289 @@
+"""Several teachers at once (`teacher.panel`): one teacher listed trains exactly as today; routed rows learn from
+their own teacher only; the mixture and the sum are the formulas on both teachers' own logits; a cache and a live
+teacher routed; 2 processes with two ZeRO-3 teachers (each rank holds half of each, one gather of each per optimizer
+step); and each bad input is one line before anything loads."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from oracles import write_teacher_cache
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl_distill import DistillationConfig, DistillationTrainer
+from trl_distill.cli import main as cli_main
+from trl_distill.data.batch import loss_tokens
+from trl_distill.loss.divergences import DIVERGENCES
+from trl_distill.teacher.panel import ROUTE
+from trl_distill.testing import (
+    build_tiny_model,
+    launch,
+    logged,
+    read_rank_records,
+    synthetic_prompt_completion,
+    tiny_run_settings,
+)
+
+WORKER = Path(__file__).parents[1] / "scripts" / "panel_worker.py"
+KEYS = ("loss", "kd_loss", "ce_loss")
+
+
+@pytest.fixture(scope="module")
+def second_teacher(tiny_pair, tmp_path_factory) -> str:
+    """Another teacher of the same shape and tokenizer (other weights)."""
+    path = tmp_path_factory.mktemp("teacher_b") / "teacher_b"
+    tok = AutoTokenizer.from_pretrained(tiny_pair["tokenizer"])
+    build_tiny_model(tok, "teacher", seed=7).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def dataset(names=None, rows=32):
+    data = synthetic_prompt_completion(rows)
+    return data if names is None else data.add_column("teacher", [names[i % len(names)] for i in range(rows)])
+
+
+def trainer_for(tiny_pair, tmp_path, data, teacher=None, **overrides) -> DistillationTrainer:
+    settings = tiny_run_settings(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3,
+                                 save_strategy="no", use_cpu=True, kd_temperature_scaling=False)
+    settings.update(overrides)
+    return DistillationTrainer(tiny_pair["student"], teacher, args=DistillationConfig(**settings), train_dataset=data,
+                               processing_class=AutoTokenizer.from_pretrained(tiny_pair["tokenizer"]))
+
+
+def trained(trainer) -> list[dict]:
+    trainer.train()
+    return trainer.state.log_history
+
+
+def assert_same_losses(got: list[dict], want: list[dict], rel: float = 1e-6) -> None:
+    for key in KEYS:
+        a, b = logged(got, key), logged(want, key)
+        assert sorted(a) == sorted(b) and len(a) == 3, key
+        for step in b:
+            assert a[step] == pytest.approx(b[step], rel=rel), (key, step)
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_pair, tmp_path_factory) -> list[dict]:
+    """Today's run: teacher_model_name_or_path, one teacher."""
+    tmp = tmp_path_factory.mktemp("alone")
+    return trained(trainer_for(tiny_pair, tmp, dataset(), teacher_model_name_or_path=tiny_pair["teacher"]))
+
+
+def test_one_teacher_listed_trains_as_today(tiny_pair, alone, tmp_path):
+    history = trained(trainer_for(tiny_pair, tmp_path, dataset(), teachers=[f"a={tiny_pair['teacher']}"]))
+    assert_same_losses(history, alone)
+    for step, kd in logged(history, "kd_loss").items():  # its part is the whole KD; its share every token
+        assert logged(history, "kd_loss/a")[step] == pytest.approx(kd, rel=1e-6)
+        assert logged(history, "teacher_tokens/a")[step] == 1.0
+
+
+def test_rows_routed_to_one_teacher_learn_from_it_alone(tiny_pair, second_teacher, alone, tmp_path):
+    """Every row names teacher a or none (a row naming none learns from the first listed): b, listed and loaded,
+    changes no loss."""
+    history = trained(trainer_for(tiny_pair, tmp_path, dataset(["a", None, ""]),
+                                  teachers=[f"a={tiny_pair['teacher']}", f"b={second_teacher}"]))
+    assert_same_losses(history, alone)
+    assert set(logged(history, "kd_loss/b").values()) == {0.0}
+    assert set(logged(history, "teacher_tokens/b").values()) == {0.0}
+
+
+def full_logits(model, batch):
+    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+    return model(**inputs).logits[:, :-1].double()  # position t predicts target t
+
+
+def formula(trainer, batch, teachers, divergence="forward_kl"):
+    """The KD of `batch` from the models' own logits: per loss token, its teacher's divergence (routed), the one
+    against the mixture, or the weighted sum; summed over loss tokens / their count."""
+    args, temperature = trainer.args, trainer.args.temperature
+    _, mask = loss_tokens(batch)
+    s_logp = F.log_softmax(full_logits(trainer.model, batch) / temperature, -1)[mask]
+    t_logps = [F.log_softmax(full_logits(t, batch) / temperature, -1)[mask] for t in teachers]
+    fn = lambda s, t: DIVERGENCES[divergence](s, t, args.beta, args.skew_alpha)  # noqa: E731
+    if args.teacher_combine == "route":
+        per_row = batch[ROUTE][:, None].expand_as(mask)[mask]
+        per_token = torch.stack([fn(s_logp, t) for t in t_logps])  # [teachers, n]
+        parts = [per_token[i][per_row == i].sum() / mask.sum() for i in range(len(teachers))]
+        return sum(parts), parts
+    if args.teacher_combine == "mixture":
+        mixed = torch.log(sum(w * t.exp() for w, t in zip(args.teacher_weights, t_logps)))
+        return fn(s_logp, mixed).sum() / mask.sum(), None
+    parts = [w * fn(s_logp, t).sum() / mask.sum() for w, t in zip(args.teacher_weights, t_logps)]
+    return sum(parts), parts
+
+
+@pytest.mark.parametrize("combine, weights, divergence", [
+    ("route", None, "forward_kl"), ("route", None, "jsd"), ("mixture", [0.25, 0.75], "forward_kl"),
+    ("mixture", [0.5, 0.5], "reverse_kl"), ("sum", [0.25, 0.75], "forward_kl"), ("sum", [1.0, 2.0], "tvd"),
+])
+def test_each_way_of_combining_equals_its_formula(tiny_pair, second_teacher, tmp_path, combine, weights, divergence):
+    trainer = trainer_for(tiny_pair, tmp_path, dataset(["a", "b", "b"]), divergence=divergence,
+                          teachers=[f"a={tiny_pair['teacher']}", f"b={second_teacher}"], teacher_combine=combine,
+                          teacher_weights=weights)
+    batch = next(iter(trainer.get_train_dataloader()))
+    if combine == "route":
+        assert sorted(set(batch[ROUTE].tolist())) == [0, 1]  # rows of both teachers in this batch
+    else:
+        assert ROUTE not in batch
+    teachers = [trainer.teacher.members[name].module for name in ("a", "b")]
+    with torch.no_grad():
+        expected, parts = formula(trainer, batch, teachers, divergence)
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1  # (set by the training loop)
+        _, outputs = trainer.compute_loss(trainer.model, dict(batch), return_outputs=True)
+    assert outputs["kd_loss"].item() == pytest.approx(expected.item(), rel=1e-5)
+    counted = trainer.teacher.kd_parts()
+    if parts is None:
+        assert counted is None  # a mixture is one teacher: no parts
+        return
+    total = sum(part for part, _ in counted.values())
+    for (part, _), want in zip(counted.values(), parts):
+        assert (outputs["kd_loss"] * part / total).item() == pytest.approx(want.item(), rel=1e-5, abs=1e-9)
+
+
+def test_a_cache_and_a_live_teacher_routed(tiny_pair, second_teacher, tmp_path):
+    """Teacher b read from a float32 cache of its whole distribution (k = V) trains as teacher b live."""
+    data = dataset(["a", "b"])
+    writer = trainer_for(tiny_pair, tmp_path / "writer", data, teacher=second_teacher)
+    write_teacher_cache(writer, str(tmp_path / "cache_b"), top_k=writer.vocab_size, log_prob_dtype="float32")
+    live = trained(trainer_for(tiny_pair, tmp_path / "live", data,
+                               teachers=[f"a={tiny_pair['teacher']}", f"b={second_teacher}"]))
+    cached = trained(trainer_for(tiny_pair, tmp_path / "cached", data,
+                                 teachers=[f"a={tiny_pair['teacher']}", f"b=cache:{tmp_path / 'cache_b'}"]))
+    assert_same_losses(cached, live, rel=1e-5)
+    for key in ("kd_loss/a", "kd_loss/b", "teacher_tokens/b"):
+        for step, value in logged(live, key).items():
+            assert logged(cached, key)[step] == pytest.approx(value, rel=1e-5, abs=1e-9), (key, step)
+
+
+def test_a_live_and_a_served_teacher_mixed(served, tmp_path):
+    """The weighted sum of a live teacher's divergence and a vLLM server's (top-64): at the first step each part is its
+    weight times that teacher's KD alone (the same batch, the same student)."""
+    pair = {"student": served["student"], "tokenizer": served["teacher"]}
+    common = dict(max_steps=1, temperature=1.0, max_length=64)
+    teachers = [f"live={served['teacher']}", f"srv={served['url']}"]
+    mixed = trained(trainer_for(pair, tmp_path / "mixed", dataset(), teacher_combine="sum",
+                                teacher_weights=[0.25, 0.75], teachers=teachers, **common))
+    live = trained(trainer_for(pair, tmp_path / "live", dataset(), teacher_model_name_or_path=served["teacher"],
+                               **common))
+    srv = trained(trainer_for(pair, tmp_path / "srv", dataset(), teacher_server=served["url"], **common))
+    parts = {name: logged(mixed, f"kd_loss/{name}")[1] for name in ("live", "srv")}
+    assert parts["live"] == pytest.approx(0.25 * logged(live, "kd_loss")[1], rel=1e-5)
+    assert parts["srv"] == pytest.approx(0.75 * logged(srv, "kd_loss")[1], rel=1e-5)
+    assert logged(mixed, "kd_loss")[1] == pytest.approx(parts["live"] + parts["srv"], rel=1e-6)
+    assert logged(srv, "kd_loss")[1] < logged(live, "kd_loss")[1]  # the top-64 buckets: a lower bound of the full KL
+
+
+@pytest.mark.distributed
+def test_two_zero3_teachers_on_two_processes(tiny_pair, second_teacher, tmp_path):
+    """ZeRO-2 student, teachers a and b each in its own ZeRO-3 plugin: each rank holds half of each teacher's
+    parameters, and DeepSpeed fetches each partitioned parameter of each teacher once per optimizer step (gradient
+    accumulation 2; the first step also runs the logit check)."""
+    launch(WORKER, str(Path(tiny_pair["teacher"]).parent), second_teacher, str(tmp_path), timeout=300)
+    records = read_rank_records(tmp_path)
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_pair["teacher"])
+    numel = sum(p.numel() for p in teacher.parameters())
+    for rec in records:
+        assert rec["plugins"] == ["student", "teacher:a", "teacher:b"]
+        for name in ("a", "b"):
+            share = rec["shares"][name]
+            assert share["total"] == numel and share["held"] == numel // 2 and share["bytes_held"] == numel * 2
+            assert share["materialized"] < numel // 100  # only the persistent small tensors, gathered
+        assert len(rec["fetches_per_step"]) == 3
+        for step in rec["fetches_per_step"][1:]:
+            for name in ("a", "b"):
+                partitioned = {k: v for k, v in step[name].items() if k not in rec["persistent"][name]}
+                assert len(partitioned) == 4 * 7 + 2 and set(partitioned.values()) == {1}, (name, partitioned)
+        for entry in (h for h in rec["log_history"] if "kd_loss" in h and "train_runtime" not in h):
+            assert entry["kd_loss/a"] + entry["kd_loss/b"] == pytest.approx(entry["kd_loss"], rel=1e-6)
+            assert entry["teacher_tokens/a"] + entry["teacher_tokens/b"] == pytest.approx(1.0)
+            assert 0 < entry["teacher_tokens/b"] < entry["teacher_tokens/a"]  # a third of the rows are b's
+    steps = [[h for h in rec["log_history"] if "train_runtime" not in h] for rec in records]
+    assert json.dumps(steps[0]) == json.dumps(steps[1])  # every rank logs the same reduced values
+
+
+# ---- Bad input: one line each, before anything loads ----
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(teacher_combine="mixture", teacher_weights=[0.5, -0.1, 0.6]), "teacher_weights must be finite and >= 0"),
+    (dict(teacher_combine="mixture", teacher_weights=[0.5, 0.3, 0.1]), "must sum to 1; [0.5, 0.3, 0.1] sum to 0.9"),
+    (dict(teacher_combine="sum", teacher_weights=[1.0, 2.0]), "teacher_weights has 2 weights for 3 teachers"),
+    (dict(teacher_weights=[0.5, 0.25, 0.25]), "routing takes each row's teacher from the routing column"),
+    (dict(teacher_combine="mixture"), "and ['c'] give their top-k only"),
+    (dict(lmbda=0.5), "on-policy and sequence-level distillation take one teacher"),
+    (dict(teacher_model_name_or_path="x"), "not both"),
+])
+def test_bad_settings_are_one_line_as_the_config_is_built(tmp_path, overrides, message):
+    settings = dict(output_dir=str(tmp_path), teachers=["a=./a", "b=./b", "c=cache:./c"], **overrides)
+    with pytest.raises(ValueError) as error:
+        DistillationConfig(**settings)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_an_unknown_teacher_in_the_column_is_one_line_before_the_student_loads(tiny_pair, second_teacher, tmp_path,
+                                                                             monkeypatch):
+    loads = []
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: loads.append(a) or 1 / 0)
+    with pytest.raises(ValueError, match=r"Row 2 of the train dataset names the teacher 'physics' in 'teacher'; the "
+                                         r"teachers are \['a', 'b'\]"):
+        trainer_for(tiny_pair, tmp_path, dataset(["a", "b", "physics"]),
+                    teachers=[f"a={tiny_pair['teacher']}", f"b={second_teacher}"])
+    assert loads == [] and not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match=r"needs the train dataset's column 'teacher' naming each row's teacher"):
+        trainer_for(tiny_pair, tmp_path, dataset(), teachers=[f"a={tiny_pair['teacher']}", f"b={second_teacher}"])
+    assert loads == []
+
+
+def test_teachers_with_other_tokenizers_are_one_line_naming_them(tiny_pair, tmp_path, capsys):
+    from trl_distill.testing import build_tokenizer
+
+    other = build_tokenizer(300, corpus=["an entirely different corpus of words for merges"] * 8)
+    paths = []
+    for name in ("x", "y"):
+        model = build_tiny_model(other, "teacher")
+        model.save_pretrained(tmp_path / name)
+        other.save_pretrained(tmp_path / name)
+        paths.append(f"{name}={tmp_path / name}")
+    data = tmp_path / "data.jsonl"
+    dataset(["x", "y"], rows=8).to_json(str(data))
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["--model_name_or_path", tiny_pair["student"], "--teachers", *paths, "--dataset_name", str(data),
+                  "--output_dir", str(tmp_path / "out"), "--max_steps", "1", "--report_to", "none", "--bf16",
+                  "false"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("trl-distill: error:")]
+    assert exit_info.value.code == 2 and len(errors) == 1
+    assert "The teachers ['x', 'y'] have another tokenizer than the student's" in errors[0]
+
+
+def test_the_command_line_and_a_recipe_list_teachers(tiny_pair, second_teacher, tmp_path, capsys):
+    """`--teachers NAME=SOURCE ...` and a recipe's list of dicts (one with its own `from_pretrained` arguments) train
+    the same student alike: the same logged losses, each teacher's part logged. A teacher's own DeepSpeed config
+    without a DeepSpeed student is one line naming that teacher."""
+    data = tmp_path / "data.jsonl"
+    dataset(["a", "b"], rows=16).to_json(str(data))
+    common = ["--model_name_or_path", tiny_pair["student"], "--dataset_name", str(data), "--max_steps", "2",
+              "--report_to", "none", "--bf16", "false", "--gradient_checkpointing", "false", "--logging_steps", "1",
+              "--save_strategy", "no", "--use_cpu", "true", "--teacher_combine", "sum", "--disable_tqdm", "true"]
+    cli_main([*common, "--output_dir", str(tmp_path / "flags"), "--teachers", f"a={tiny_pair['teacher']}",
+              f"b={second_teacher}", "--teacher_weights", "0.5", "0.25"])
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"teachers:\n  - name: a\n    model: {tiny_pair['teacher']}\n  - name: b\n    model: "
+                      f"{second_teacher}\n    init_kwargs: {{dtype: float32}}\nteacher_weights: [0.5, 0.25]\n")
+    cli_main([*common, "--output_dir", str(tmp_path / "recipe"), "--config", str(recipe)])
+    histories = [json.loads((tmp_path / run / "trainer_state.json").read_text())["log_history"]
+                 for run in ("flags", "recipe")]
+    for key in (*KEYS, "kd_loss/a", "kd_loss/b"):
+        got, want = logged(histories[1], key), logged(histories[0], key)
+        assert len(want) == 2 and got == pytest.approx(want, rel=1e-6), key
+    recipe.write_text(f"teachers:\n  - name: a\n    model: {tiny_pair['teacher']}\n    deepspeed: "
+                      "configs/deepspeed/zero3_teacher.json\n")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main([*common, "--output_dir", str(tmp_path / "ds"), "--config", str(recipe)])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("trl-distill: error:")]
+    assert exit_info.value.code == 2 and len(errors) == 1
+    assert "teacher a's `deepspeed` is set but the student does not use DeepSpeed" in errors[0]

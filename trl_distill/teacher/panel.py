@@ -1,0 +1,210 @@
+"""Several teachers at once (`DistillationConfig.teachers`): a `TeacherPanel` is one `base.TeacherSource` made of
+several, each of any kind (a live model with its own ZeRO-3 plugin, a cache, a server), that the trainer asks like
+any other.
+
+Each member does what it does alone: a live teacher is loaded partitioned under its own plugin ("teacher:NAME"), runs
+its once-per-step pass (one gather of it per optimizer step) and hands its rows; a cache or a server adds its signal
+to the batch under its own key. The panel combines their signals for the fused loss (`loss.combined`): routed (each
+row learns from the teacher the dataset's `teacher_column` names; a row naming none, from the first listed), or
+mixed with `teacher_weights` (the mixture of distributions, or the weighted sum of divergences). It counts each
+teacher's part of the KD sum and its share of the loss tokens, which the trainer logs as ``kd_loss/NAME`` and
+``teacher_tokens/NAME``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..data.batch import SIGNAL
+from ..loss.combined import MixtureSignal, RoutedSignal, SumSignal, routed_order
+from .base import TeacherSource
+from .cached import ROW, CachedTeacher
+from .live import LiveTeacher
+from .served import ServedTeacher
+
+ROUTE = "teacher_route"  # the prepared column and the batch key: each row's teacher, by its index in the panel
+
+
+class TeacherPanel(TeacherSource):
+    """The teachers `members` (name -> source, in the order listed), combined as `combine` says ("route",
+    "mixture", "sum") with `weights` (mixing) and the routing `column`."""
+
+    cache_refusal = ("`trl-distill cache-teacher` writes one teacher's cache: run it once per teacher, with that "
+                     "teacher's --teacher_model_name_or_path or --teacher_server.")
+
+    def __init__(self, members: dict[str, TeacherSource], combine: str = "route", weights: list[float] | None = None,
+                 column: str = "teacher"):
+        self.members, self.combine, self.weights, self.column = members, combine, weights, column
+        self.names = list(members)
+        for name, member in members.items():  # one plugin, column and batch key each
+            if isinstance(member, LiveTeacher):
+                member.plugin_name, member.label = f"teacher:{name}", f"teacher {name}"
+            if isinstance(member, CachedTeacher):
+                member.row_column, member.signal_key = f"{ROW}:{name}", f"{SIGNAL}:{name}"
+            if isinstance(member, ServedTeacher):
+                member.signal_key = f"{SIGNAL}:{name}"
+        self.last: RoutedSignal | SumSignal | MixtureSignal | None = None  # the signal of the last micro-batch
+
+    @property
+    def routed(self) -> bool:
+        return self.combine == "route"
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        own = (ROUTE,) if self.routed else ()
+        return tuple(c for member in self.members.values() for c in member.columns) + own
+
+    @property
+    def name(self) -> str:
+        """Every teacher as NAME=SOURCE, and how they combine (what a checkpoint's run record holds)."""
+        listed = ",".join(f"{name}={member.name or member.describe()}" for name, member in self.members.items())
+        return f"{listed} ({self.combine}{'' if self.weights is None else ' ' + str(self.weights)})"
+
+    @property
+    def config_notes(self) -> list[str]:
+        return [f"{name}: {note}" for name, m in self.members.items() for note in getattr(m, "config_notes", [])]
+
+    def describe(self) -> str:
+        return f"the teachers {', '.join(self.names)} ({self.combine})"
+
+    # ---- Before the data is prepared ----
+
+    def plugins(self, args, student_plugin) -> dict:
+        out = {}
+        for member in self.members.values():
+            out.update(member.plugins(args, student_plugin))
+        return out
+
+    def check_rows(self, train_dataset, eval_dataset) -> None:
+        """Every row's teacher is one of the panel's (routing), checked on the raw datasets before anything loads."""
+        evaluation = eval_dataset if isinstance(eval_dataset, dict) else {"eval": eval_dataset}
+        for split, dataset in {"train": train_dataset, **evaluation}.items():
+            self._check_split(dataset, split)
+
+    def _check_split(self, dataset, split: str) -> None:
+        if not self.routed or dataset is None or not hasattr(dataset, "column_names"):
+            return
+        if self.column not in dataset.column_names:
+            if len(self.members) > 1:
+                raise ValueError(f"Routing rows to the teachers {self.names} needs the {split} dataset's column "
+                                 f"{self.column!r} naming each row's teacher (--teacher_column), and the dataset has "
+                                 f"{dataset.column_names}. Add it, or mix the teachers (--teacher_combine sum).")
+            return
+        known = set(self.names)
+        for i, value in enumerate(dataset[self.column]):
+            if value not in (None, "") and value not in known:
+                raise ValueError(f"Row {i} of the {split} dataset names the teacher {value!r} in {self.column!r}; the "
+                                 f"teachers are {self.names} (a row naming none learns from {self.names[0]!r}).")
+
+    def prepare_dataset(self, dataset, name: str):
+        for member in self.members.values():
+            dataset = member.prepare_dataset(dataset, name)
+        if not self.routed or not hasattr(dataset, "add_column"):
+            return dataset
+        index = {teacher: i for i, teacher in enumerate(self.names)}
+        values = dataset[self.column] if self.column in dataset.column_names else [None] * len(dataset)
+        return dataset.add_column(ROUTE, [index.get(v, 0) if v not in (None, "") else 0 for v in values])
+
+    def vocab_config(self, student_config):
+        """The smallest vocabulary of the teachers (the loss compares that many logits; each is checked as the panel
+        attaches)."""
+        configs = [member.vocab_config(student_config) for member in self.members.values()]
+        return min(configs, key=lambda config: config.vocab_size)
+
+    # ---- Once the trainer exists ----
+
+    def attach(self, trainer) -> None:
+        from ..runtime.validation import shared_vocab_size
+
+        super().attach(trainer)
+        for member in self.members.values():
+            shared_vocab_size(trainer.student.config, member.vocab_config(trainer.student.config),
+                              trainer.processing_class)
+            member.attach(trainer)
+        if self.routed:
+            trainer.data_collator = RouteCollator(trainer.data_collator)
+
+    def prepare(self, accelerator, device: torch.device) -> None:
+        for member in self.members.values():
+            member.prepare(accelerator, device)
+
+    def logit_candidates(self, model_inputs: dict, extras) -> list:
+        extras = extras or (None, [None] * len(self.members))
+        return [c for member, own in zip(self.members.values(), extras[1], strict=True)
+                for c in member.logit_candidates(model_inputs, own)]
+
+    def before_step(self, batch_samples: list[dict]) -> None:
+        # Each live teacher's once-per-step pass sees the model inputs only (not the others' signals, not the route)
+        own = {ROUTE, *(getattr(m, "signal_key", None) for m in self.members.values())}
+        plain = [{k: v for k, v in batch.items() if k not in own} for batch in batch_samples]
+        for member in self.members.values():
+            member.before_step(plain)
+
+    def pop_batch(self, inputs: dict):
+        route = inputs.pop(ROUTE, None)
+        return route, [member.pop_batch(inputs) for member in self.members.values()]
+
+    def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> PanelBatch:
+        route, own = extras
+        batches = [member.for_batch(model_inputs, e, mask, keep) for member, e in zip(self.members.values(), own,
+                                                                                        strict=True)]
+        if self.routed and route is None:  # one teacher listed and no column: every row is the first teacher's
+            route = torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
+        return PanelBatch(self, batches, route, mask)
+
+    def after_loss(self) -> None:
+        for member in self.members.values():
+            member.after_loss()
+
+    def kd_parts(self) -> dict[str, tuple[torch.Tensor, int | None]] | None:
+        """The last micro-batch's KD sum of each teacher (and, routed, its loss tokens), or None when mixed by
+        distribution (one teacher, the mixture)."""
+        signal = self.last
+        if signal is None or isinstance(signal, MixtureSignal):
+            return None
+        tokens = [None] * len(self.names)
+        if isinstance(signal, RoutedSignal):
+            tokens = [b - a for a, b in zip(signal.bounds, signal.bounds[1:])]
+        return {name: (torch.as_tensor(part, dtype=torch.float32), count)
+                for name, part, count in zip(self.names, signal.parts, tokens, strict=True)}
+
+    def release(self) -> None:
+        for member in self.members.values():
+            member.release()
+
+
+class PanelBatch:
+    """The panel's teachers over one micro-batch: each member's own batch, combined into one signal."""
+
+    head = None
+
+    def __init__(self, panel: TeacherPanel, batches: list, route: torch.Tensor | None, mask: torch.Tensor):
+        self.panel, self.batches, self.route, self.mask = panel, batches, route, mask
+        self.heads = tuple(batch.head for batch in batches)  # gathered around the loss
+
+    def signal(self, rows: torch.Tensor | None, n: int, settings):
+        panel = self.panel
+        if panel.routed:
+            per_row = self.route.to(self.mask.device)[:, None].expand_as(self.mask)[self.mask]  # the loss rows' order
+            order, bounds = routed_order(per_row, len(self.batches))
+            signals = [batch.signal(rows, n, settings, picks=order[bounds[i]:bounds[i + 1]])
+                       for i, batch in enumerate(self.batches)]
+            panel.last = RoutedSignal(signals, order, bounds)
+        else:
+            signals = [batch.signal(rows, n, settings) for batch in self.batches]
+            kind = MixtureSignal if panel.combine == "mixture" else SumSignal
+            panel.last = kind(signals, panel.weights)
+        return panel.last
+
+
+class RouteCollator:
+    """Wraps the trainer's collator: pops each example's teacher index and adds the rows' ``[B]`` to the batch."""
+
+    def __init__(self, collator):
+        self.collator = collator
+
+    def __call__(self, examples: list[dict]) -> dict:
+        route = torch.tensor([int(example[ROUTE]) for example in examples], dtype=torch.long)
+        batch = self.collator([{k: v for k, v in example.items() if k != ROUTE} for example in examples])
+        batch[ROUTE] = route
+        return batch

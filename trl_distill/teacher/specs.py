@@ -1,0 +1,145 @@
+"""Several teachers, as the config names them (`DistillationConfig.teachers`): each entry parsed into a
+`TeacherSpec`, and every setting of theirs checked as the config is built, before anything loads.
+
+An entry is ``"NAME=SOURCE"`` (the command line, a recipe's list) or a dict (Python, a recipe). SOURCE is a path or
+hub id (a live teacher: its own ZeRO-3 plugin under DeepSpeed), ``cache:DIR`` (a teacher cache written by
+`trl-distill cache-teacher`) or an ``http(s)://`` URL (a vLLM server of the teacher). A dict has ``name`` and one of
+``model`` / ``cache`` / ``server``, and may add ``deepspeed`` (that teacher's own DeepSpeed config),
+``init_kwargs`` (its `from_pretrained` keyword arguments) and ``served_model`` (the server's model name).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+COMBINE = ("route", "mixture", "sum")
+"""How several teachers' signals make one loss (`loss.combined`)."""
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_KEYS = {"name", "model", "cache", "server", "served_model", "deepspeed", "init_kwargs"}
+
+
+@dataclass
+class TeacherSpec:
+    """One teacher of several: its name (what the routing column holds, what its logs are called) and its source."""
+
+    name: str
+    model: str | None = None
+    cache: str | None = None
+    server: str | None = None
+    served_model: str | None = None
+    deepspeed: dict | str | None = None
+    init_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        return "cache" if self.cache else "server" if self.server else "model"
+
+    @property
+    def source(self) -> str:
+        return self.cache or self.server or self.model
+
+    def entry(self) -> str:
+        """The ``NAME=SOURCE`` form (what a run record holds)."""
+        prefix = "cache:" if self.cache else ""
+        return f"{self.name}={prefix}{self.source}"
+
+
+def parse_teacher(entry) -> TeacherSpec:
+    """One entry of `teachers` (``"NAME=SOURCE"`` or a dict), or one `ValueError` naming the fix."""
+    if isinstance(entry, TeacherSpec):
+        return entry
+    if isinstance(entry, str):
+        name, sep, source = entry.partition("=")
+        if not sep or not source:
+            raise ValueError(f"teachers: {entry!r} is not NAME=SOURCE (e.g. math=./math-teacher, code=cache:./code-"
+                             "cache, big=http://teacher-host:8000).")
+        if source.startswith("cache:"):
+            return _checked(TeacherSpec(name.strip(), cache=source[len("cache:"):]))
+        if source.startswith(("http://", "https://")):
+            return _checked(TeacherSpec(name.strip(), server=source))
+        return _checked(TeacherSpec(name.strip(), model=source))
+    if isinstance(entry, dict):
+        unknown = set(entry) - _KEYS
+        if unknown:
+            raise ValueError(f"teachers: {entry!r} has unknown keys {sorted(unknown)}; an entry takes "
+                             f"{sorted(_KEYS)}.")
+        sources = [key for key in ("model", "cache", "server") if entry.get(key)]
+        if len(sources) != 1 or not entry.get("name"):
+            raise ValueError(f"teachers: {entry!r} needs a name and exactly one of model, cache or server.")
+        return _checked(TeacherSpec(**{k: v for k, v in entry.items() if v is not None}))
+    raise ValueError(f"teachers: an entry is NAME=SOURCE or a dict, got {type(entry).__name__}.")
+
+
+def _checked(spec: TeacherSpec) -> TeacherSpec:
+    if not _NAME.match(spec.name):
+        raise ValueError(f"teachers: the name {spec.name!r} must be letters, digits, '_', '.' or '-' (it names the "
+                         "teacher in the routing column and in the logs).")
+    return spec
+
+
+def check_teachers(args) -> None:
+    """Every setting of several teachers that needs no model, checked as the config is built (one line each); turns
+    `args.teachers` into `TeacherSpec` entries and fills equal weights for mixing."""
+    if args.teachers is None:
+        if args.teacher_weights is not None:
+            raise ValueError("teacher_weights weight several teachers: list them with --teachers NAME=SOURCE ...")
+        return
+    if isinstance(args.teachers, str | dict):
+        args.teachers = [args.teachers]
+    specs = [parse_teacher(entry) for entry in args.teachers]
+    if not specs:
+        raise ValueError("teachers is empty: list at least one NAME=SOURCE, or pass one teacher with "
+                         "--teacher_model_name_or_path.")
+    names = [spec.name for spec in specs]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"teachers: the names {twice} are given twice; each teacher needs its own name.")
+    single = [flag for flag in ("teacher_model_name_or_path", "teacher_cache", "teacher_server") if getattr(args, flag)]
+    if single:
+        raise ValueError(f"Pass the teachers either as a list (--teachers) or as one teacher (--{single[0]}), not "
+                         "both.")
+    if args.teacher_combine not in COMBINE:
+        raise ValueError(f"teacher_combine must be one of {', '.join(COMBINE)}, got {args.teacher_combine!r}.")
+    args.teacher_weights = _weights(args.teacher_weights, specs, args.teacher_combine)
+    if args.teacher_combine == "mixture":
+        sparse = [spec.name for spec in specs if spec.kind != "model"]
+        if sparse:
+            raise ValueError(f"teacher_combine='mixture' mixes the teachers' whole distributions, and {sparse} give "
+                             "their top-k only (a cache or a server): use --teacher_combine sum (the weighted sum of "
+                             "divergences) or list live teachers.")
+    if args.lmbda > 0 or args.seq_kd:
+        raise ValueError("Several teachers distil on the dataset's completions: set lmbda=0 and seq_kd=False "
+                         "(on-policy and sequence-level distillation take one teacher).")
+    if args.teacher_combine == "route" and (args.packing or args.padding_free):
+        raise ValueError("Routing rows to teachers needs one example per row: set packing=False and padding_free="
+                         "False, or mix the teachers (--teacher_combine mixture or sum).")
+    if any(spec.kind == "server" for spec in specs):
+        from .served import ServedTeacher
+
+        ServedTeacher.check_args(args)
+    args.teachers = specs
+
+
+def _weights(weights, specs: list[TeacherSpec], combine: str) -> list[float] | None:
+    if combine == "route":
+        if weights is not None:
+            raise ValueError("teacher_weights weight a mixture of teachers; routing takes each row's teacher from the "
+                             "routing column. Drop --teacher_weights, or set --teacher_combine mixture or sum.")
+        return None
+    if weights is None:
+        return [1.0 / len(specs)] * len(specs)
+    weights = [float(w) for w in weights]
+    if len(weights) != len(specs):
+        raise ValueError(f"teacher_weights has {len(weights)} weights for {len(specs)} teachers: give one per "
+                         "teacher, in the order of --teachers.")
+    if any(not math.isfinite(w) or w < 0 for w in weights):
+        raise ValueError(f"teacher_weights must be finite and >= 0, got {weights}.")
+    if combine == "mixture" and abs(sum(weights) - 1.0) > 1e-6:
+        raise ValueError(f"teacher_weights of a mixture are the probabilities of its teachers and must sum to 1; "
+                         f"{weights} sum to {sum(weights):.6g}.")
+    if not sum(weights) > 0:
+        raise ValueError(f"teacher_weights are all 0: at least one teacher must teach, got {weights}.")
+    return weights
