@@ -226,3 +226,25 @@ def test_docs_tables_are_current():
     for line in table.splitlines():
         if line.startswith((*plan.ROWS, "total", "Recommendation")):
             assert line in docs
+
+
+def test_several_teachers_hold_the_sum_of_their_shards(capsys):
+    """`--teacher 8B 7B` (`teachers`): each teacher's ZeRO-3 shard and step rows add up; they run one after another,
+    so the gather buffers and the working set are the larger one's; each teacher's own part is printed."""
+    common = ("--student", "1B", "--gpus_per_node", "8", "--gradient_accumulation", "4")
+    both = run_plan(capsys, *common, "--teacher", "8B", "7B")
+    alone = {t: run_plan(capsys, *common, "--teacher", t)["configs"] for t in ("8B", "7B")}
+    for setup, result in both["configs"].items():
+        rows = result["rows"]
+        for row in ("teacher_params", "teacher_step"):
+            assert rows[row] == alone["8B"][setup]["rows"][row] + alone["7B"][setup]["rows"][row], (setup, row)
+        for row in ("gather_buffers", "activations", "student_params", "optimizer"):
+            assert rows[row] == max(alone[t][setup]["rows"][row] for t in alone), (setup, row)
+        assert result["deepspeed"]["teacher_model_states"] == pytest.approx(
+            sum(alone[t][setup]["deepspeed"]["teacher_model_states"] for t in alone), abs=2)
+    assert [m for m in both["models"]] == ["student", "teacher 1", "teacher 2"]
+    for role, count in (("teacher 1", "8B"), ("teacher 2", "7B")):
+        assert both["models"][role]["ours"]["teacher_params"] == alone[count]["ours"]["rows"]["teacher_params"]
+    plan_main(["--student", "1B", "--teacher", "8B", "7B"])
+    printed = capsys.readouterr().out
+    assert "teacher 2: 7.000B params" in printed and "in ours: teacher_params" in printed

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.cli import main as cli_main
+from trl_distill.cli.plan import main as plan_main
 from trl_distill.data.batch import loss_tokens
 from trl_distill.loss.divergences import DIVERGENCES
 from trl_distill.teacher.panel import ROUTE
@@ -179,10 +180,16 @@ def test_a_live_and_a_served_teacher_mixed(served, tmp_path):
 
 
 @pytest.mark.distributed
-def test_two_zero3_teachers_on_two_processes(tiny_pair, second_teacher, tmp_path):
+def test_two_zero3_teachers_on_two_processes(tiny_pair, second_teacher, tmp_path, capsys):
     """ZeRO-2 student, teachers a and b each in its own ZeRO-3 plugin: each rank holds half of each teacher's
-    parameters, and DeepSpeed fetches each partitioned parameter of each teacher once per optimizer step (gradient
-    accumulation 2; the first step also runs the logit check)."""
+    parameters (the bytes `trl-distill plan` gives each), and DeepSpeed fetches each partitioned parameter of each
+    teacher once per optimizer step (gradient accumulation 2; the first step also runs the logit check)."""
+
+    def run_plan(argv):
+        capsys.readouterr()
+        plan_main(argv)
+        return json.loads(capsys.readouterr().out)
+
     launch(WORKER, str(Path(tiny_pair["teacher"]).parent), second_teacher, str(tmp_path), timeout=300)
     records = read_rank_records(tmp_path)
     teacher = AutoModelForCausalLM.from_pretrained(tiny_pair["teacher"])
@@ -202,6 +209,10 @@ def test_two_zero3_teachers_on_two_processes(tiny_pair, second_teacher, tmp_path
             assert entry["kd_loss/a"] + entry["kd_loss/b"] == pytest.approx(entry["kd_loss"], rel=1e-6)
             assert entry["teacher_tokens/a"] + entry["teacher_tokens/b"] == pytest.approx(1.0)
             assert 0 < entry["teacher_tokens/b"] < entry["teacher_tokens/a"]  # a third of the rows are b's
+    planned = run_plan(["--student", tiny_pair["student"], "--teacher", tiny_pair["teacher"], second_teacher,
+                        "--gpus_per_node", "2", "--dtype", "fp32", "--json"])  # `trl-distill plan` of this run
+    for role, name in (("teacher 1", "a"), ("teacher 2", "b")):
+        assert planned["models"][role]["ours"]["teacher_params"] == records[0]["shares"][name]["bytes_held"]
     steps = [[h for h in rec["log_history"] if "train_runtime" not in h] for rec in records]
     assert json.dumps(steps[0]) == json.dumps(steps[1])  # every rank logs the same reduced values
 

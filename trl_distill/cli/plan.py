@@ -35,7 +35,8 @@ _MODEL = ("a model directory, a config.json (parameters counted exactly on the m
 @dataclass
 class PlanArguments:
     student: str = field(metadata={"help": f"The student: {_MODEL}"})
-    teacher: str = field(metadata={"help": f"The teacher: {_MODEL}"})
+    teacher: list[str] = field(metadata={"help": f"The teacher: {_MODEL} Several teachers at once (`--teachers`): "
+                                         "one after another, e.g. --teacher 8B 7B (each its own ZeRO-3 engine)."})
     nodes: int = field(default=1, metadata={"help": "Number of nodes (default: 1)."})
     gpus_per_node: int = field(default=8, metadata={"help": "GPUs per node (default: 8)."})
     gpu_memory_gb: float = field(default=80.0, metadata={"help": "Memory of one GPU, GiB (default: 80)."})
@@ -101,18 +102,26 @@ def build_parser():
 
 
 def _specs(args: PlanArguments, shape: ModelShapeArguments):
-    """Load both models; a count-only model without --*_vocab borrows the other model's vocabulary."""
+    """Load the models; a count-only model without --*_vocab borrows the other side's vocabulary (a teacher the
+    student's, the student the first teacher's). Several teachers: a tuple, each given the --teacher_* shape."""
+    sources = {"student": args.student, "teacher": args.teacher[0]}
     dims = {role: {dim: getattr(shape, f"{role}_{flag}") for flag, dim in _DIMS.items()
                    if getattr(shape, f"{role}_{flag}")} for role in ("student", "teacher")}
-    counted = {role: _for(role, parse_count, getattr(args, role)) is not None for role in dims}
+    counted = {role: _for(role, parse_count, sources[role]) is not None for role in dims}
     order = ("teacher", "student") if counted["student"] else ("student", "teacher")
     specs = {}
     for role in order:
         other = specs.get("student" if role == "teacher" else "teacher")
         if counted[role] and other is not None and "vocab" not in dims[role]:
             dims[role]["vocab"] = other.vocab
-        specs[role] = _for(role, load_spec, getattr(args, role), dims[role])
-    return specs["student"], specs["teacher"]
+        specs[role] = _for(role, load_spec, sources[role], dims[role])
+    teachers = [specs["teacher"]]
+    for source in args.teacher[1:]:
+        own = dict(dims["teacher"])
+        if _for("teacher", parse_count, source) is not None and "vocab" not in own:
+            own["vocab"] = specs["student"].vocab
+        teachers.append(_for("teacher", load_spec, source, own))
+    return specs["student"], teachers[0] if len(teachers) == 1 else tuple(teachers)
 
 
 def _for(role: str, function, *args):

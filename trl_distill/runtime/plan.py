@@ -250,26 +250,40 @@ def logits_bytes(student: ModelSpec, s: Settings, chunked: bool) -> int:
     return CHUNK_COPIES * chunk_rows(student, s) * student.vocab * 4 + head_grads
 
 
-def estimate(student: ModelSpec, teacher_spec: ModelSpec, s: Settings, student_stage: int = 2,
+def each_teacher(teacher_spec: ModelSpec | tuple[ModelSpec, ...]) -> tuple[ModelSpec, ...]:
+    """One teacher or several (`teachers`, each its own ZeRO-3 engine) as a tuple."""
+    return teacher_spec if isinstance(teacher_spec, tuple) else (teacher_spec,)
+
+
+def teacher_held(teacher: ModelSpec, mode: str, gpus: int) -> int:
+    """Elements of one teacher's parameters a GPU holds in `mode` (zero3, replicated, offload, served)."""
+    return {"zero3": zero3_shard(teacher, gpus), "replicated": teacher.params}.get(mode, 0)
+
+
+def estimate(student: ModelSpec, teacher_spec: ModelSpec | tuple[ModelSpec, ...], s: Settings, student_stage: int = 2,
              teacher: str = "zero3", offload_opt: bool = False, chunked: bool = True) -> dict[str, int]:
-    """Per-GPU bytes of each component for one setup (see `CONFIGS`)."""
+    """Per-GPU bytes of each component for one setup (see `CONFIGS`). Several teachers (a tuple): each holds its
+    own shard and, through the step, its own hidden states and lm_head (the sums); they run one after another, so
+    the gather buffers and the working set are the largest one's."""
     b, n = DTYPE_BYTES[s.dtype], s.gpus
+    teachers = each_teacher(teacher_spec)
     shard = -(-student.params // n)
     rows = dict.fromkeys(ROWS, 0)
-    held = {"zero3": zero3_shard(teacher_spec, n), "replicated": teacher_spec.params, "offload": 0, "served": 0}
-    rows["teacher_params"] = held[teacher] * b
+    rows["teacher_params"] = sum(teacher_held(t, teacher, n) for t in teachers) * b
     rows["student_params"] = (zero3_shard(student, n) if student_stage == 3 else student.params) * b
     bucket = student.hidden**2 * b  # reduce_bucket_size "auto" = h^2
     rows["student_grads"] = bucket + (0 if offload_opt else shard * (b + FP32_GRAD_BYTES))
     rows["optimizer"] = 0 if offload_opt else shard * OPTIMIZER_BYTES[s.optimizer]
-    gathered = zero3_gathered(teacher_spec) if teacher in ("zero3", "offload") else 0
+    gathered = max(zero3_gathered(t) for t in teachers) if teacher in ("zero3", "offload") else 0
     rows["gather_buffers"] = (gathered + (zero3_gathered(student) if student_stage == 3 else 0)) * b
     step_pass = teacher != "replicated"  # TRL runs its teacher per micro-batch
-    rows["activations"] = activation_bytes(student, None if teacher == "served" else teacher_spec, s, step_pass)
+    rows["activations"] = max(activation_bytes(student, None if teacher == "served" else t, s, step_pass)
+                              for t in teachers)
     rows["logits_loss"] = logits_bytes(student, s, chunked)
-    if teacher == "served":  # no teacher here: each micro-batch's top-k signal arrives with the batch
-        rows["logits_loss"] += s.micro_batch * s.seq_len * SERVED_TOP_K * (8 + 4)
-    rows["teacher_step"] = teacher_step_bytes(teacher_spec, s) if teacher in ("zero3", "offload") else 0
+    if teacher == "served":  # no teacher here: each micro-batch's top-k signals arrive with the batch
+        rows["logits_loss"] += len(teachers) * s.micro_batch * s.seq_len * SERVED_TOP_K * (8 + 4)
+    if teacher in ("zero3", "offload"):
+        rows["teacher_step"] = sum(teacher_step_bytes(t, s) for t in teachers)
     return rows
 
 
@@ -288,14 +302,13 @@ def deepspeed_estimates(student: ModelSpec, teacher: ModelSpec, s: Settings, nam
         student_gpu = zero3(student.params, student.largest_layer, cpu_offload=False, cpu_offload_params=False, **hw)[1]
     else:
         student_gpu = zero2(student.params, cpu_offload=opts.get("offload_opt", False), **hw)[1]
-    mode = opts.get("teacher", "zero3")
-    if mode == "served":
-        teacher_gpu = 0
-    elif mode == "replicated":
-        teacher_gpu = zero2(teacher.params, cpu_offload=True, **hw)[1]
-    else:
-        teacher_gpu = zero3(teacher.params, teacher.largest_layer, cpu_offload=True,
-                            cpu_offload_params=mode == "offload", **hw)[1]
+    mode, teacher_gpu = opts.get("teacher", "zero3"), 0
+    for one in each_teacher(teacher):  # several teachers: the sum of their engines
+        if mode == "replicated":
+            teacher_gpu += zero2(one.params, cpu_offload=True, **hw)[1]
+        elif mode != "served":
+            teacher_gpu += zero3(one.params, one.largest_layer, cpu_offload=True, cpu_offload_params=mode == "offload",
+                                 **hw)[1]
     return {"student_model_states": int(student_gpu), "teacher_model_states": int(teacher_gpu)}
 
 
@@ -342,8 +355,14 @@ def plan(student: ModelSpec, teacher: ModelSpec, s: Settings, deepspeed_check: b
     if deepspeed_check:
         for name, setup in setups.items():
             setup["deepspeed"] = deepspeed_estimates(student, teacher, s, name)
-    models = {role: {k: v for k, v in asdict(spec).items() if k != "numels"}
-              for role, spec in (("student", student), ("teacher", teacher))}
+    teachers = each_teacher(teacher)
+    roles = [("teacher", teachers[0])] if len(teachers) == 1 else [(f"teacher {i + 1}", t) for i, t in
+                                                                     enumerate(teachers)]
+    models = {role: {k: v for k, v in asdict(spec).items() if k != "numels"} for role, spec in [("student", student),
+                                                                                              *roles]}
+    for role, spec in roles if len(teachers) > 1 else ():  # several: each teacher's own part of ours' rows
+        models[role]["ours"] = {"teacher_params": teacher_held(spec, "zero3", s.gpus) * DTYPE_BYTES[s.dtype],
+                                "teacher_step": teacher_step_bytes(spec, s)}
     return {"settings": asdict(s), "gpus": s.gpus, "budget": s.budget, "headroom": HEADROOM, "models": models,
             "chunk_rows": chunk_rows(student, s), "teacher_rows": s.teacher_rows, "configs": setups,
             "recommendation": recommend(student, teacher, s, setups)}
@@ -370,7 +389,9 @@ def format_plan(result: dict) -> str:
         f"{'on' if s['gradient_checkpointing'] else 'off'}, loss chunk {result['chunk_rows']} rows, gradient "
         f"accumulation {s['gradient_accumulation']}, teacher rows per forward {result['teacher_rows']}",
         *(f"{role}: {m['params'] / 1e9:.3f}B params, h={m['hidden']}, L={m['layers']}, V={m['vocab']}, "
-          f"i={m['intermediate']} ({m['source']})" for role, m in result["models"].items()),
+          f"i={m['intermediate']} ({m['source']})" + ("" if "ours" not in m else
+          f"; in ours: teacher_params {size(m['ours']['teacher_params'])}, teacher_step "
+          f"{size(m['ours']['teacher_step'])} {unit}") for role, m in result["models"].items()),
         "",
         _row("component", setups, str),
         *(_row(row, [x["rows"][row] for x in setups.values()], size) for row in ROWS),
