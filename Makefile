@@ -91,12 +91,18 @@ clean:
 # Evidence that distillation works: KD vs SFT-only students on the Python stdlib's own source, 3 seeds, through the
 # CLI. Writes benchmarks/quality/results/kd_vs_sft.{json,md,png} and the table in docs/benchmarks.md: 19 CPU-minutes; 15.8 min wall
 # measured on a fresh clone with the 2 cores partly shared (load average 3).
-.PHONY: experiment experiment-cross
+.PHONY: experiment experiment-cross experiment-multi
 # Cross-tokenizer KD vs SFT-only (a teacher with a BPE-4096 tokenizer, students with a BPE-2048 one of other merges),
 # 3 seeds: writes benchmarks/quality/results/cross_tokenizer_kd.{json,md,png} and the table in docs/benchmarks.md (about 7 minutes)
 experiment-cross: setup
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality/cross_tokenizer_kd.py
+
+# Two teachers at once: the stdlib corpus split by topic into halves, a teacher trained on each; students from A,
+# from B, from both (routed by half, and mixed with equal weights), 3 seeds; held-out CE on the union. Writes
+# benchmarks/quality/results/multi_teacher_kd.{json,md} and its table in docs/benchmarks.md
+experiment-multi: setup
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality/multi_teacher_kd.py
 
 experiment: setup vllm-env
 	$(BIN)/python -m pip install --quiet -e ".[bench]"

@@ -112,13 +112,14 @@ def n_params(path: Path) -> int:
     return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
 
 
-def cli(student: Path, teacher: Path, out: Path, *, data: Path, steps: int, batch: int, seed: int, alpha: float,
+def cli(student: Path, teacher: Path | None, out: Path, *, data: Path, steps: int, batch: int, seed: int, alpha: float,
         divergence: str, save_every: int | None, learning_rate: float | None = None,
         extra: dict | None = None) -> float:
     """One `python -m trl_distill` run on one thread; returns its wall time. The log lands in `out`.log. `extra`:
-    more flags (e.g. ``lmbda``)."""
+    more flags (e.g. ``lmbda``; a list is one flag's values); `teacher` None: `extra` names the teachers."""
     args = dict(TRAINING, learning_rate=learning_rate or TRAINING["learning_rate"], model_name_or_path=student,
-                teacher_model_name_or_path=teacher, output_dir=out, dataset_name=data, max_steps=steps,
+                **({} if teacher is None else {"teacher_model_name_or_path": teacher}), output_dir=out,
+                dataset_name=data, max_steps=steps,
                 per_device_train_batch_size=batch, seed=seed, alpha=alpha, divergence=divergence,
                 logging_steps=max(1, steps // 6),
                 save_strategy="steps" if save_every else "no", bf16=False, gradient_checkpointing=False,
@@ -126,7 +127,8 @@ def cli(student: Path, teacher: Path, out: Path, *, data: Path, steps: int, batc
     if save_every:
         args.update(save_steps=save_every, save_only_model=True)
     args.update(extra or {})
-    cmd = [sys.executable, "-m", "trl_distill"] + [item for k, v in args.items() for item in (f"--{k}", str(v))]
+    cmd = [sys.executable, "-m", "trl_distill"] + [item for k, v in args.items()  # a list: one flag, its values
+                                                   for item in (f"--{k}", *map(str, v if isinstance(v, list) else [v]))]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1"}
     log = out.parent / f"{out.name}.log"
     shutil.rmtree(out, ignore_errors=True)  # no stale checkpoints from an earlier run of different length
