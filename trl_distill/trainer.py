@@ -254,7 +254,7 @@ class DistillationTrainer(SFTTrainer):
             # a per-micro-batch mean: the Trainer divides the loss by the accumulation steps; log alike
             kd, ce = kd / self.current_gradient_accumulation_steps, ce / self.current_gradient_accumulation_steps
         self.metrics.record(kd, ce, target.shape[0], loss, on_policy=self.model.training and self.sampler.on_policy)
-        self.metrics.record_teachers(kd, self.teacher.kd_parts())  # several teachers: each one's part
+        self.metrics.record_teachers(kd, self.teacher.kd_parts(), self.teacher.own_metrics())  # several teachers
         if return_outputs:
             return loss, {"kd_loss": kd.detach(), "ce_loss": ce.detach()}
         return loss

@@ -139,8 +139,19 @@ def test_each_way_of_combining_equals_its_formula(tiny_pair, second_teacher, tmp
     assert outputs["kd_loss"].item() == pytest.approx(expected.item(), rel=1e-5)
     counted = trainer.teacher.kd_parts()
     if parts is None:
-        assert counted is None  # a mixture is one teacher: no parts
+        assert counted is None and trainer.teacher.own_metrics() is None  # a mixture is one teacher: no parts
         return
+    # each teacher's own diagnostics: its KL at T = 1 over the rows it teaches (routed) or all rows (sum)
+    _, mask = loss_tokens(batch)
+    with torch.no_grad():
+        s_logp = F.log_softmax(full_logits(trainer.model, batch), -1)[mask]
+        per_row = batch[ROUTE][:, None].expand_as(mask)[mask] if combine == "route" else None
+        assert list(trainer.teacher.own_metrics()) == ["a", "b"]
+        for i, (name, measured) in enumerate(trainer.teacher.own_metrics().items()):
+            t_logp = F.log_softmax(full_logits(teachers[i], batch), -1)[mask]
+            kl = DIVERGENCES["forward_kl"](s_logp, t_logp, 0.5, 0.1)
+            kl = kl if per_row is None else kl[per_row == i]
+            assert measured.means()["kl_teacher_student"] == pytest.approx(kl.mean().item(), rel=1e-5), name
     total = sum(part for part, _ in counted.values())
     for (part, _), want in zip(counted.values(), parts):
         assert (outputs["kd_loss"] * part / total).item() == pytest.approx(want.item(), rel=1e-5, abs=1e-9)
@@ -209,6 +220,10 @@ def test_two_zero3_teachers_on_two_processes(tiny_pair, second_teacher, tmp_path
             assert entry["kd_loss/a"] + entry["kd_loss/b"] == pytest.approx(entry["kd_loss"], rel=1e-6)
             assert entry["teacher_tokens/a"] + entry["teacher_tokens/b"] == pytest.approx(1.0)
             assert 0 < entry["teacher_tokens/b"] < entry["teacher_tokens/a"]  # a third of the rows are b's
+            shares = [entry[f"teacher_tokens/{name}"] for name in ("a", "b")]  # each teacher's own metrics: their
+            for metric in ("kl_teacher_student", "teacher_ce"):  # token-weighted mean is the run's
+                mean = sum(share * entry[f"{metric}/{name}"] for share, name in zip(shares, ("a", "b")))
+                assert mean == pytest.approx(entry[metric], rel=1e-6), metric
     planned = run_plan(["--student", tiny_pair["student"], "--teacher", tiny_pair["teacher"], second_teacher,
                         "--gpus_per_node", "2", "--dtype", "fp32", "--json"])  # `trl-distill plan` of this run
     for role, name in (("teacher 1", "a"), ("teacher 2", "b")):

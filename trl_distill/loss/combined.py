@@ -10,7 +10,8 @@ combine their signals, each itself a `loss.signal.TeacherSignal`, so the chunked
 - `SumSignal` (``"sum"``): the weighted sum of divergences ``Σ w_i D(p_i ‖ q)``, each term as that teacher's signal
   computes it (dense, or a cache's or a server's top-k).
 
-Each counts its teachers' parts of the KD sum (`parts`), which the trainer logs per teacher.
+Routed and summed signals count each teacher's part of the KD sum (`parts`) and take each teacher's metrics apart
+(`own`, `loss.diagnostics`), which the trainer logs per teacher.
 """
 
 from __future__ import annotations
@@ -21,13 +22,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .diagnostics import observe_dense
+from .diagnostics import LossDiagnostics, observe_dense
 from .fused import DenseTeacherSignal
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from .diagnostics import LossDiagnostics
     from .fused import LossSettings
     from .signal import TeacherSignal
 
@@ -46,6 +46,13 @@ def routed_order(route: Tensor, count: int) -> tuple[Tensor, list[int]]:
     return order, bounds
 
 
+def own_metrics(signal, like: LossDiagnostics) -> list[LossDiagnostics]:
+    """The per-teacher metrics of a signal of several teachers (made on `like`'s device at its first chunk)."""
+    if getattr(signal, "own", None) is None:
+        signal.own = [LossDiagnostics(like.sums.device) for _ in signal.signals]
+    return signal.own
+
+
 class RoutedSignal:
     """One teacher per loss row: `signals[i]` covers teacher i's rows, which are rows ``bounds[i]:bounds[i+1]`` of the
     loss once it has taken its rows in `order` (`routed_order`)."""
@@ -55,6 +62,7 @@ class RoutedSignal:
         present = [s for i, s in enumerate(signals) if bounds[i + 1] > bounds[i]]
         self.closed_form = bool(present) and all(s.closed_form for s in present)
         self.parts = [0.0] * len(signals)  # each teacher's KD sum (tensors once counted)
+        self.own: list[LossDiagnostics] | None = None  # each teacher's metrics, when measured
         self._owner = 0
 
     def _local(self, rows: slice) -> tuple[int, slice]:
@@ -77,13 +85,16 @@ class RoutedSignal:
 
     def observe(self, into: LossDiagnostics, rows: slice, logits: Tensor, chunk, labels: Tensor | None,
                 settings: LossSettings) -> None:
+        """Each chunk against its own teacher, into that teacher's metrics (`own`), all of them added to `into` once
+        the batch is done (`observe_batch`)."""
         i, local = self._local(rows)
-        self.signals[i].observe(into, local, logits, chunk, labels, settings)
+        self.signals[i].observe(own_metrics(self, into)[i], local, logits, chunk, labels, settings)
 
     def observe_batch(self, into: LossDiagnostics) -> None:
-        for signal in self.signals:
+        for signal, own in zip(self.signals, own_metrics(self, into), strict=True):
             if hasattr(signal, "observe_batch"):
-                signal.observe_batch(into)
+                signal.observe_batch(own)
+            into.merge(own)
 
     def tally(self, rows: slice, kd: Tensor) -> None:
         i, _ = self._local(rows)
@@ -124,6 +135,7 @@ class SumSignal:
     def __init__(self, signals: list[TeacherSignal], weights: list[float]):
         self.signals, self.weights = signals, weights
         self.parts = [0.0] * len(signals)
+        self.own: list[LossDiagnostics] | None = None
 
     def chunk(self, rows: slice, compute: torch.dtype) -> list:
         return [signal.chunk(rows, compute) if w else None for signal, w in zip(self.signals, self.weights,
@@ -141,8 +153,11 @@ class SumSignal:
 
     def observe(self, into: LossDiagnostics, rows: slice, logits: Tensor, chunks: list, labels: Tensor | None,
                 settings: LossSettings) -> None:
-        """The diagnostics against the teachers' mixture, when every teacher gives its whole distribution (else
-        none: top-k signals have no common support)."""
+        """Each teacher's metrics against its own signal (`own`), and into `into` the metrics against the teachers'
+        mixture when every teacher gives its whole distribution (else none: top-k signals share no support)."""
+        for signal, own, chunk, w in zip(self.signals, own_metrics(self, into), chunks, self.weights, strict=True):
+            if w:
+                signal.observe(own, rows, logits, chunk, labels, settings)
         if not all(s.closed_form for s in self.signals):
             return
         total = sum(self.weights)

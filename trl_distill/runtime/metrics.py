@@ -22,6 +22,7 @@ class DistillMetrics:
         self.trainer = trainer
         self.sums = {"kd_loss": 0.0, "ce_loss": 0.0}  # (several teachers: and each one's kd_loss/NAME)
         self.teacher_tokens: dict[str, int] = {}  # routed teachers: each one's loss tokens since the last log
+        self.teacher_windows: dict[str, LossDiagnostics] = {}  # several teachers: each one's diagnostics
         self.last_logged_step = 0
         self.guards = Guards(trainer)
         self.window = LossDiagnostics(trainer.args.device)  # training: since the last log
@@ -74,11 +75,13 @@ class DistillMetrics:
             values = trainer.accelerator.gather_for_metrics(value.detach().reshape(1).repeat(batch_size))
             compat.eval_metric_values(trainer, name).extend(values.tolist())
 
-    def record_teachers(self, kd: torch.Tensor, parts: dict | None) -> None:
+    def record_teachers(self, kd: torch.Tensor, parts: dict | None, own: dict | None = None) -> None:
         """Several teachers, in training: each one's part of this micro-batch's `kd` (its share of the KD sum, so the
-        parts add up to `kd_loss`) and, routed, its loss tokens."""
+        parts add up to `kd_loss`), routed its loss tokens, and its own diagnostics (`own`, when measured)."""
         if parts is None or not self.trainer.model.training:
             return
+        for name, measured in (own or {}).items():
+            self.teacher_windows.setdefault(name, LossDiagnostics(self.trainer.args.device)).merge(measured)
         total = sum(part.to(kd.device) for part, _ in parts.values())
         for name, (part, tokens) in parts.items():
             share = torch.where(total > 0, part.to(kd.device) / total.clamp_min(1e-30), torch.zeros_like(total))
@@ -106,6 +109,9 @@ class DistillMetrics:
         if trainer.args.log_distill_metrics:
             logs.update(self.reduced(self.window))
             self.window.reset()
+            for name, window in self.teacher_windows.items():  # the same names on every rank: all are listed
+                logs.update({f"{metric}/{name}": value for metric, value in self.reduced(window).items()})
+                window.reset()
         trainer.sampler.log_into(logs, trainer.accelerator, trainer.args.device)
         self.guards.check_collapse(logs)  # the same numbers on every rank
 
@@ -141,6 +147,8 @@ class DistillMetrics:
         self.sums = dict.fromkeys(self.sums, 0.0)
         self.teacher_tokens = dict.fromkeys(self.teacher_tokens, 0)
         self.window.reset()
+        for window in self.teacher_windows.values():
+            window.reset()
 
 
 class TrainingBounds(TrainerCallback):

@@ -83,6 +83,10 @@ class TeacherSource(ABC):
         """Several teachers: each one's part of the last micro-batch's KD sum (and its loss tokens); else None."""
         return None
 
+    def own_metrics(self) -> dict | None:
+        """Several teachers: each one's diagnostics of the last micro-batch (when measured); else None."""
+        return None
+
     def prepare_dataset(self, dataset, name: str):
         """The prepared `dataset` with the columns this kind needs (called for every split SFT prepares)."""
         return dataset

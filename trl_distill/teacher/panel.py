@@ -7,8 +7,8 @@ its once-per-step pass (one gather of it per optimizer step) and hands its rows;
 to the batch under its own key. The panel combines their signals for the fused loss (`loss.combined`): routed (each
 row learns from the teacher the dataset's `teacher_column` names; a row naming none, from the first listed), or
 mixed with `teacher_weights` (the mixture of distributions, or the weighted sum of divergences). It counts each
-teacher's part of the KD sum and its share of the loss tokens, which the trainer logs as ``kd_loss/NAME`` and
-``teacher_tokens/NAME``.
+teacher's part of the KD sum, its share of the loss tokens and its own diagnostics, which the trainer logs as
+``kd_loss/NAME``, ``teacher_tokens/NAME`` and e.g. ``top1_agreement/NAME``.
 """
 
 from __future__ import annotations
@@ -167,6 +167,12 @@ class TeacherPanel(TeacherSource):
             tokens = [b - a for a, b in zip(signal.bounds, signal.bounds[1:])]
         return {name: (torch.as_tensor(part, dtype=torch.float32), count)
                 for name, part, count in zip(self.names, signal.parts, tokens, strict=True)}
+
+    def own_metrics(self) -> dict | None:
+        """Each teacher's diagnostics of the last micro-batch (`loss.diagnostics`), when it was measured and the
+        teachers were routed or summed; else None."""
+        own = getattr(self.last, "own", None)
+        return None if own is None else dict(zip(self.names, own, strict=True))
 
     def release(self) -> None:
         for member in self.members.values():
