@@ -75,7 +75,7 @@ class DistillationTrainer(SFTTrainer):
         check_dataset_not_empty(train_dataset, "train", "given")
         self.teacher = resolve_teacher(teacher_model, args, student=model, processing_class=processing_class,
                                        eval_dataset=eval_dataset, peft_config=peft_config)  # the one teacher source
-        self.teacher.check_rows(train_dataset, eval_dataset)  # several teachers: each row's, before anything loads
+        train_dataset = self.teacher.route_rows(train_dataset, eval_dataset)  # several teachers: each row's
         processing_class = processing_class or self.teacher.student_tokenizer
         if args.assistant_only_loss is None:
             processing_class = processing_class or prepare.student_tokenizer(model, train_dataset)

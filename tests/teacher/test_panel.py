@@ -264,6 +264,14 @@ def test_an_unknown_teacher_in_the_column_is_one_line_before_the_student_loads(t
     assert loads == []
 
 
+def test_an_output_dir_inside_a_listed_teacher_is_refused(tiny_pair, second_teacher, tmp_path):
+    before = sorted(p.name for p in Path(second_teacher).iterdir())
+    with pytest.raises(ValueError, match=r"is inside the teacher b \(--teachers\)"):
+        trainer_for(tiny_pair, tmp_path, dataset(["a", "b"]), output_dir=str(Path(second_teacher) / "run"),
+                    teachers=[f"a={tiny_pair['teacher']}", f"b={second_teacher}"])
+    assert sorted(p.name for p in Path(second_teacher).iterdir()) == before  # nothing written there
+
+
 def test_teachers_with_other_tokenizers_are_one_line_naming_them(tiny_pair, tmp_path, capsys):
     from trl_distill.testing import build_tokenizer
 
@@ -313,3 +321,30 @@ def test_the_command_line_and_a_recipe_list_teachers(tiny_pair, second_teacher, 
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("trl-distill: error:")]
     assert exit_info.value.code == 2 and len(errors) == 1
     assert "teacher a's `deepspeed` is set but the student does not use DeepSpeed" in errors[0]
+
+
+def test_datasets_named_after_the_teachers_route_as_a_whole(tiny_pair, second_teacher, tmp_path):
+    """`train_dataset={"a": ..., "b": ...}` (CLI: `--dataset_name a=PATH,b=PATH`) trains as the one dataset whose
+    teacher column names each row's dataset; a name that is no teacher's is one line."""
+    from datasets import concatenate_datasets
+
+    teachers = [f"a={tiny_pair['teacher']}", f"b={second_teacher}"]
+    parts = {"a": synthetic_prompt_completion(16, seed=3), "b": synthetic_prompt_completion(16, seed=4)}
+    named = trained(trainer_for(tiny_pair, tmp_path / "named", parts, teachers=teachers, max_steps=2))
+    one = concatenate_datasets([d.add_column("teacher", [k] * len(d)) for k, d in parts.items()])
+    together = trained(trainer_for(tiny_pair, tmp_path / "one", one, teachers=teachers, max_steps=2))
+    for key in (*KEYS, "kd_loss/a", "kd_loss/b", "teacher_tokens/a"):
+        assert logged(named, key) == logged(together, key) and len(logged(named, key)) == 2, key
+    for name, part in parts.items():
+        part.to_json(str(tmp_path / f"{name}.jsonl"))
+    cli_main(["--model_name_or_path", tiny_pair["student"], "--teachers", *teachers, "--dataset_name",
+              f"a={tmp_path / 'a.jsonl'},b={tmp_path / 'b.jsonl'}", "--output_dir", str(tmp_path / "cli"),
+              "--max_steps", "2", "--per_device_train_batch_size", "4", "--report_to", "none", "--bf16", "false",
+              "--gradient_checkpointing", "false", "--logging_steps", "1", "--save_strategy", "no", "--use_cpu",
+              "true", "--disable_tqdm", "true", "--learning_rate", "2e-3", "--lr_scheduler_type", "constant",
+              "--alpha", "0.5", "--temperature", "2.0", "--kd_temperature_scaling", "false", "--seed", "0"])
+    history = json.loads((tmp_path / "cli" / "trainer_state.json").read_text())["log_history"]
+    for key in (*KEYS, "teacher_tokens/a"):
+        assert logged(history, key) == pytest.approx(logged(named, key), rel=1e-6), key
+    with pytest.raises(ValueError, match=r"\['physics'\] name no teacher of \['a', 'b'\]"):
+        trainer_for(tiny_pair, tmp_path / "bad", {"a": parts["a"], "physics": parts["b"]}, teachers=teachers)

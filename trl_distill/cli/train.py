@@ -33,34 +33,32 @@ def validate(script_args, training_args, model_args) -> None:
     check_weights_complete(model_args.model_name_or_path, "--model_name_or_path")
     if not script_args.dataset_name:
         raise ValueError("Pass a dataset with --dataset_name (a hub id, a .jsonl/.json/.parquet/.csv file or a dir).")
-    check_apart(training_args.output_dir, {"the dataset (--dataset_name)": script_args.dataset_name})
+    from ..data.prepare import named_datasets
+
+    named = named_datasets(script_args.dataset_name) if training_args.teachers else None
+    inputs = {f"the dataset {k} (--dataset_name)": path for k, path in named.items()} if named else {
+        "the dataset (--dataset_name)": script_args.dataset_name}
+    check_apart(training_args.output_dir, inputs)
 
 
 def build_trainer(script_args, training_args, model_args):
     """The `DistillationTrainer` the command line describes: data loaded and checked, student and PEFT set up."""
     from trl import get_peft_config, get_quantization_config
 
-    from ..data.prepare import check_format, load_dataset_any
+    from ..data.prepare import named_datasets
     from ..trainer import DistillationTrainer
 
     validate(script_args, training_args, model_args)
-    dataset = load_dataset_any(script_args.dataset_name, script_args.dataset_config)
-    if script_args.dataset_train_split not in dataset:
-        raise ValueError(
-            f"No split {script_args.dataset_train_split!r} in the dataset (found {sorted(dataset)}); "
-            "set --dataset_train_split."
-        )
-    train = dataset[script_args.dataset_train_split]
-    if training_args.dataset_text_field == "text":  # a custom text field is SFT's to check
-        check_format(train, script_args.dataset_train_split)
-    evaluation = None
-    if training_args.eval_strategy != "no":
-        evaluation = dataset.get(script_args.dataset_test_split)
-        if evaluation is None:
-            raise ValueError(
-                f"eval_strategy is {training_args.eval_strategy!r} but the dataset has no "
-                f"{script_args.dataset_test_split!r} split; set --dataset_test_split or --eval_strategy no."
-            )
+    named = named_datasets(script_args.dataset_name) if training_args.teachers else None
+    if named is None:
+        train, evaluation = load_splits(script_args, training_args, script_args.dataset_name, "--dataset_name")
+    else:  # several teachers, a dataset each: routed as a whole (each evaluated apart, eval_NAME_loss)
+        splits = {name: load_splits(script_args, training_args, path, f"--dataset_name {name}")
+                  for name, path in named.items()}
+        train = {name: split[0] for name, split in splits.items()}
+        evaluation = None if training_args.eval_strategy == "no" else {
+            name: split[1].add_column(training_args.teacher_column, [name] * len(split[1]))
+            for name, split in splits.items()}
     model_init_kwargs = {"revision": model_args.model_revision, "attn_implementation": model_args.attn_implementation,
                          "dtype": model_args.dtype, "trust_remote_code": training_args.trust_remote_code}
     quantization_config = get_quantization_config(model_args)
@@ -74,6 +72,26 @@ def build_trainer(script_args, training_args, model_args):
         eval_dataset=evaluation,
         peft_config=get_peft_config(model_args),
     )
+
+
+def load_splits(script_args, training_args, name: str, what: str):
+    """``(train, eval or None)`` of the dataset `name`, each split checked (`what`: the flag, in messages)."""
+    from ..data.prepare import check_format, load_dataset_any
+
+    dataset = load_dataset_any(name, script_args.dataset_config, what)
+    if script_args.dataset_train_split not in dataset:
+        raise ValueError(f"No split {script_args.dataset_train_split!r} in the dataset {name!r} (found "
+                         f"{sorted(dataset)}); set --dataset_train_split.")
+    train = dataset[script_args.dataset_train_split]
+    if training_args.dataset_text_field == "text":  # a custom text field is SFT's to check
+        check_format(train, script_args.dataset_train_split)
+    if training_args.eval_strategy == "no":
+        return train, None
+    evaluation = dataset.get(script_args.dataset_test_split)
+    if evaluation is None:
+        raise ValueError(f"eval_strategy is {training_args.eval_strategy!r} but the dataset has no "
+                         f"{script_args.dataset_test_split!r} split; set --dataset_test_split or --eval_strategy no.")
+    return train, evaluation
 
 
 def parse_recipe(parser, argv: list[str]):

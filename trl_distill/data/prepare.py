@@ -51,6 +51,15 @@ def load_dataset_any(name: str, config: str | None = None, what: str = "--datase
     return load_dataset(name, name=config)
 
 
+def named_datasets(name: str) -> dict[str, str] | None:
+    """``--dataset_name math=PATH,code=PATH`` (several teachers, routed): ``{teacher name: dataset}``; None for one
+    dataset."""
+    parts = [part.partition("=") for part in name.split(",")]
+    if not all(sep and key and value for key, sep, value in parts):
+        return None
+    return {key.strip(): value.strip() for key, _, value in parts}
+
+
 def looks_like_hub_id(name: str) -> bool:
     """Whether a name that is no existing path means a hub dataset: ``owner/name`` or ``name`` (letters, digits,
     ``-_.``), not ending like a data file (``data/train.jsonl`` is a missing file)."""

@@ -272,6 +272,8 @@ def run_inputs(args, student=None, teacher=None, datasets=()) -> dict[str, str |
               "the teacher cache (--teacher_cache)": getattr(args, "teacher_cache", None),
               "the teacher's tokenizer (--teacher_tokenizer_name_or_path)":
                   getattr(args, "teacher_tokenizer_name_or_path", None)}
+    for spec in getattr(args, "teachers", None) or ():  # several teachers: each one's model or cache directory
+        inputs[f"the teacher {spec.name} (--teachers)"] = _source_of(spec.model or spec.cache)
     for number, source in enumerate(path for dataset in datasets for path in dataset_sources(dataset)):
         inputs[f"the dataset{'' if number == 0 else f' ({number + 1})'} (--dataset_name)"] = source
     return inputs

@@ -75,9 +75,13 @@ class TeacherSource(ABC):
         plugin = self.plugin(args, student_plugin)
         return {} if plugin is None else {getattr(self, "plugin_name", "teacher"): plugin}
 
-    def check_rows(self, train_dataset, eval_dataset) -> None:
-        """Check the raw datasets' rows fit this teacher before anything loads (several teachers: each row's)."""
-        return None
+    def route_rows(self, train_dataset, eval_dataset):
+        """The train dataset, its rows checked to fit this teacher before anything loads (several teachers: each
+        row's teacher; a dict of datasets named after the teachers becomes one, each row naming its own)."""
+        if isinstance(train_dataset, dict):
+            raise ValueError("A dict of train datasets routes each one to the teacher of its name: list the teachers "
+                             f"({', '.join(map(str, train_dataset))}) with `teachers=`, or pass one dataset.")
+        return train_dataset
 
     def kd_parts(self) -> dict | None:
         """Several teachers: each one's part of the last micro-batch's KD sum (and its loss tokens); else None."""

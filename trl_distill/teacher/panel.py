@@ -75,11 +75,31 @@ class TeacherPanel(TeacherSource):
             out.update(member.plugins(args, student_plugin))
         return out
 
-    def check_rows(self, train_dataset, eval_dataset) -> None:
-        """Every row's teacher is one of the panel's (routing), checked on the raw datasets before anything loads."""
+    def route_rows(self, train_dataset, eval_dataset):
+        """Every row's teacher is one of the panel's (routing), checked on the raw datasets before anything loads. A
+        dict of train datasets named after teachers is routed as a whole: one dataset, each row naming its own."""
+        if isinstance(train_dataset, dict):
+            train_dataset = self.concatenated(train_dataset)
         evaluation = eval_dataset if isinstance(eval_dataset, dict) else {"eval": eval_dataset}
         for split, dataset in {"train": train_dataset, **evaluation}.items():
             self._check_split(dataset, split)
+        return train_dataset
+
+    def concatenated(self, named: dict):
+        """``{teacher name: dataset}`` as one dataset whose `column` names each row's teacher."""
+        from datasets import concatenate_datasets
+
+        if not self.routed:
+            raise ValueError("A dict of train datasets routes each one to its teacher: set teacher_combine='route', "
+                             "or pass one dataset to mix the teachers on.")
+        unknown = [name for name in named if name not in self.members]
+        if unknown:
+            raise ValueError(f"A dict of train datasets routes each one to the teacher of its name; {unknown} name no "
+                             f"teacher of {self.names}.")
+        parts = [dataset.remove_columns([self.column]) if self.column in dataset.column_names else dataset
+                 for dataset in named.values()]
+        return concatenate_datasets([part.add_column(self.column, [name] * len(part))
+                                     for name, part in zip(named, parts, strict=True)])
 
     def _check_split(self, dataset, split: str) -> None:
         if not self.routed or dataset is None or not hasattr(dataset, "column_names"):
