@@ -348,3 +348,19 @@ def test_datasets_named_after_the_teachers_route_as_a_whole(tiny_pair, second_te
         assert logged(history, key) == pytest.approx(logged(named, key), rel=1e-6), key
     with pytest.raises(ValueError, match=r"\['physics'\] name no teacher of \['a', 'b'\]"):
         trainer_for(tiny_pair, tmp_path / "bad", {"a": parts["a"], "physics": parts["b"]}, teachers=teachers)
+
+
+def test_evaluation_routes_its_rows_too(tiny_pair, second_teacher, tmp_path):
+    """An eval split routed like the train split: its KD is each row's own teacher's (a split all of one teacher's
+    rows evaluates as that teacher alone), and a dict of eval splits is evaluated apart."""
+    teachers = [f"a={tiny_pair['teacher']}", f"b={second_teacher}"]
+    held_out = synthetic_prompt_completion(8, seed=9)
+    trainer = trainer_for(tiny_pair, tmp_path / "panel", dataset(["a", "b"]), teachers=teachers, max_steps=1,
+                          eval_strategy="no")
+    as_a = trainer.evaluate(held_out.add_column("teacher", ["a"] * 8))
+    as_b = trainer.evaluate(held_out.add_column("teacher", ["b"] * 8))
+    alone = trainer_for(tiny_pair, tmp_path / "alone", dataset(), teacher_model_name_or_path=second_teacher,
+                        max_steps=1, eval_strategy="no")
+    assert as_b["eval_kd_loss"] == pytest.approx(alone.evaluate(held_out)["eval_kd_loss"], rel=1e-6)
+    assert as_a["eval_kd_loss"] != pytest.approx(as_b["eval_kd_loss"], rel=1e-3)
+    assert as_a["eval_ce_loss"] == pytest.approx(as_b["eval_ce_loss"], rel=1e-6)  # the same student
