@@ -364,3 +364,19 @@ def test_evaluation_routes_its_rows_too(tiny_pair, second_teacher, tmp_path):
     assert as_b["eval_kd_loss"] == pytest.approx(alone.evaluate(held_out)["eval_kd_loss"], rel=1e-6)
     assert as_a["eval_kd_loss"] != pytest.approx(as_b["eval_kd_loss"], rel=1e-3)
     assert as_a["eval_ce_loss"] == pytest.approx(as_b["eval_ce_loss"], rel=1e-6)  # the same student
+
+
+def test_a_teacher_with_another_tokenizer_routed_beside_one_with_the_students(tiny_pair, other_teacher, tmp_path):
+    """Rows routed to a cross-tokenizer teacher learn from it as they would from it alone; a mixture with it is one
+    line (a mixture needs one vocabulary)."""
+    teachers = [f"a={tiny_pair['teacher']}", f"x={other_teacher}"]
+    routed = trained(trainer_for(tiny_pair, tmp_path / "routed", dataset(["x"]), teachers=teachers))
+    alone = trained(trainer_for(tiny_pair, tmp_path / "alone", dataset(), teacher_model_name_or_path=other_teacher))
+    assert_same_losses(routed, alone)
+    assert "aligned_token_share/x" in routed[0] and routed[0]["teacher_tokens/x"] == 1.0
+    split = trained(trainer_for(tiny_pair, tmp_path / "split", dataset(["a", "x"]), teachers=teachers))
+    for entry in split[:-1]:
+        assert entry["kd_loss/a"] + entry["kd_loss/x"] == pytest.approx(entry["kd_loss"], rel=1e-6)
+        assert 0 < entry["teacher_tokens/x"] < 1
+    with pytest.raises(ValueError, match="a mixture of distributions needs one vocabulary"):
+        trainer_for(tiny_pair, tmp_path / "mixed", dataset(), teachers=teachers, teacher_combine="mixture")

@@ -44,6 +44,7 @@ class CrossTokenizerTeacher(LiveTeacher):
 
     columns = COLUMNS
     refused = {"packing": _REFUSAL.format("packing / padding_free")}
+    batch_key = _BATCH  # what its collator adds to a batch
 
     def __init__(self, source, init_kwargs: dict | None, student_tokenizer, teacher_tokenizer, args):
         super().__init__(source, init_kwargs)
@@ -77,7 +78,7 @@ class CrossTokenizerTeacher(LiveTeacher):
         return pop_cross_batch(inputs)
 
     def logit_candidates(self, model_inputs: dict, extras) -> list[tuple[str, object, object, dict]]:
-        return [("teacher", self.engine, self.module, teacher_inputs(extras))]  # on its own tokens
+        return [(self.label, self.engine, self.module, teacher_inputs(extras))]  # on its own tokens
 
     def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> CrossRows:
         rows = self.teacher_rows(extras, mask, keep)
@@ -229,10 +230,18 @@ class CrossRows:
         self.states, self.is_group, self.head, self.loss = states, is_group, head, loss
         self.teacher_labels, self.shares = teacher_labels, shares
 
-    def signal(self, rows: torch.Tensor | None, n: int, settings: LossSettings) -> CrossTokenizerSignal:
+    def signal(self, rows: torch.Tensor | None, n: int, settings: LossSettings,
+               picks: torch.Tensor | None = None) -> CrossTokenizerSignal:
+        """Over the `n` loss rows, or, with `picks`, over those of them only (a routed teacher's rows: its aligned
+        share of their tokens; the row shares are left out)."""
         if self.states.shape[0] != n:
             raise RuntimeError(f"The teacher has {self.states.shape[0]} loss rows, the student {n}.")
-        return CrossTokenizerSignal(self, self.loss, settings.temperature)
+        if picks is None:
+            return CrossTokenizerSignal(self, self.loss, settings.temperature)
+        is_group = self.is_group[picks]
+        shares = torch.tensor([int(is_group.sum()), picks.numel(), 0, 0], dtype=torch.float64)
+        own = CrossRows(self.states[picks], is_group, self.head, self.loss, self.teacher_labels[picks], shares)
+        return CrossTokenizerSignal(own, self.loss, settings.temperature)
 
 
 class CrossTokenizerSignal:

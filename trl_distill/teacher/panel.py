@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..data.batch import SIGNAL
+from .. import compat
+from ..data.batch import SIGNAL, loss_tokens
 from ..loss.combined import MixtureSignal, RoutedSignal, SumSignal, routed_order
 from .base import TeacherSource
 from .cached import ROW, CachedTeacher
@@ -154,11 +155,21 @@ class TeacherPanel(TeacherSource):
                 for c in member.logit_candidates(model_inputs, own)]
 
     def before_step(self, batch_samples: list[dict]) -> None:
+        if self.trainer.logit_paths is None and batch_samples:  # settled on the whole first batch, each member's
+            self._settle_logit_paths(batch_samples[0])  # own inputs there (its own tokens), before any pass runs
         # Each live teacher's once-per-step pass sees the model inputs only (not the others' signals, not the route)
-        own = {ROUTE, *(getattr(m, "signal_key", None) for m in self.members.values())}
+        own = {ROUTE, *(getattr(m, key, None) for m in self.members.values() for key in ("signal_key", "batch_key"))}
         plain = [{k: v for k, v in batch.items() if k not in own} for batch in batch_samples]
         for member in self.members.values():
             member.before_step(plain)
+
+    def _settle_logit_paths(self, batch: dict) -> None:
+        trainer = self.trainer
+        first = compat.prepare_inputs(trainer, dict(batch))
+        extras = self.pop_batch(first)  # from this copy: the batch itself keeps them for its loss
+        mask = loss_tokens(first)[1]
+        model_inputs = {k: v for k, v in first.items() if k not in ("labels", "shift_labels")}
+        trainer.settle_logit_paths(trainer.model_wrapped, model_inputs, mask[:, mask.any(0)], extras)
 
     def pop_batch(self, inputs: dict):
         route = inputs.pop(ROUTE, None)

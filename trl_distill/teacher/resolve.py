@@ -91,7 +91,7 @@ def resolve_teacher(teacher_model, args, *, student, processing_class, eval_data
 
 def resolve_panel(args, student, processing_class, eval_dataset, peft: bool) -> TeacherSource:
     """`args.teachers` (`specs.TeacherSpec` entries, checked as the config was built) as one `panel.TeacherPanel`,
-    each member's refusals checked; teachers with another tokenizer than the student's are refused together."""
+    each member's refusals checked; one teacher may have another tokenizer than the student's (routed or summed)."""
     from .panel import TeacherPanel
 
     members, foreign = {}, []
@@ -109,10 +109,12 @@ def resolve_panel(args, student, processing_class, eval_dataset, peft: bool) -> 
                 foreign.append(spec.name)
         type(member).refuse(args, eval_dataset=eval_dataset, peft=peft)
         members[spec.name] = member
-    if foreign:
-        raise ValueError(f"The teachers {foreign} have another tokenizer than the student's; several teachers are "
-                         "compared with the student token by token and need its tokenizer (cross-tokenizer "
-                         "distillation takes one teacher: --teacher_model_name_or_path).")
+    if len(foreign) > 1 or foreign and args.teacher_combine == "mixture":
+        raise ValueError(f"The teachers {foreign} have another tokenizer than the student's; "
+                         + ("a mixture of distributions needs one vocabulary: every teacher must share the student's "
+                            "tokenizer (or use --teacher_combine route or sum)." if len(foreign) == 1 else
+                            "routed or summed, at most one teacher may have its own tokenizer (the others must share "
+                            "the student's)."))
     return TeacherPanel(members, args.teacher_combine, args.teacher_weights, args.teacher_column)
 
 
