@@ -17,13 +17,14 @@ from .rollout.engine_config import EngineRolloutFields, check_engine_args
 from .runtime.deepspeed_config import load_deepspeed_config
 from .runtime.distributed import prepare_cpu_distributed_state
 from .runtime.guards import GuardFields, check_guard_args
+from .runtime.sequence_parallel import SequenceParallelFields, check_sequence_parallel_args
 from .runtime.validation import refuse_quantization_without_gpu
 from .teacher.resolve import refuse_unsupported
 from .teacher.specs import check_teachers
 
 
 @dataclass
-class DistillationConfig(SFTConfig, EngineRolloutFields, GuardFields):
+class DistillationConfig(SFTConfig, EngineRolloutFields, GuardFields, SequenceParallelFields):
     r"""
     Configuration for [`DistillationTrainer`]: every [`trl.SFTConfig`] field, plus the ones below.
 
@@ -63,6 +64,12 @@ class DistillationConfig(SFTConfig, EngineRolloutFields, GuardFields):
         the teacher (GKD). use_vllm, vllm_server_base_url (or _host / _port), vllm_server_timeout, vllm_sync_steps,
         vllm_group_port: the student's completions sampled by a vLLM server whose weights follow the student's
         (TRL's names; `trl-distill vllm-serve` starts it).
+
+    > Long rows
+
+    sequence_parallel_size, sequence_parallel_attn_implementation: split each sequence over this many ranks
+        (DeepSpeed Ulysses), student and teacher alike; or accelerate's `parallelism_config` with
+        ``sp_backend="deepspeed"`` (`trl_distill.runtime.sequence_parallel`).
     """
 
     # Fields a JSON string may fill on the CLI (a TrainingArguments class attribute; transformers 5.24)
@@ -287,6 +294,7 @@ class DistillationConfig(SFTConfig, EngineRolloutFields, GuardFields):
         for name in ("model_init_kwargs", "teacher_model_init_kwargs"):
             refuse_quantization_without_gpu(getattr(self, name), name)
         self.deepspeed = _lenient_deepspeed(self.deepspeed if self.deepspeed else _accelerate_deepspeed_file())
+        check_sequence_parallel_args(self)  # long rows split over ranks: what cannot combine, refused here
         _use_activation_checkpointing_names(self)
         settle_precision(self)
         super().__post_init__()

@@ -53,6 +53,19 @@ def synthetic_prompt_completion(num_examples: int = 64, seed: int = 0) -> Datase
     return Dataset.from_list(rows)
 
 
+def long_prompt_completion(num_examples: int, tokens: int, seed: int = 0) -> Dataset:
+    """Prompt–completion rows longer than `tokens` tokens of `build_tokenizer`'s (about a quarter prompt), for runs
+    that truncate every row to ``max_length=tokens``: all rows then have exactly that length (a word is one to
+    four tokens, so the prompt keeps 1/16 of the words)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_examples):
+        words = [rng.choice(_WORDS) for _ in range(tokens)]  # a word is at least one token
+        cut = len(words) // 16
+        rows.append({"prompt": "reverse: " + " ".join(words[:cut]) + " =>", "completion": " " + " ".join(words[cut:])})
+    return Dataset.from_list(rows)
+
+
 def build_tokenizer(vocab_size: int = 256, corpus: list[str] | None = None) -> PreTrainedTokenizerFast:
     """Train a small byte-level BPE tokenizer locally (deterministic for the same corpus)."""
     if corpus is None:

@@ -19,6 +19,7 @@ from .loss.fused import LossSettings, fused_loss, select_loss_rows
 from .model.fused_forward import LossFeatures, add_fused_distillation_forward, gathered
 from .model.logit_check import settle_logit_paths_by_inputs
 from .rollout.on_policy import CompletionSampler, check_sampling_prompts, refuse_zero3_student_sampling
+from .runtime import sequence_parallel, validation
 from .runtime.checkpoints import resume_point, run_record, save_complete_checkpoint, student_identity
 from .runtime.metrics import DistillMetrics, TrainingBounds
 from .runtime.run_lock import refuse_if_locked, take_run_lock
@@ -91,11 +92,7 @@ class DistillationTrainer(SFTTrainer):
         )
         if self.accelerator.is_main_process:
             prepare.log_skipped_rows(train_dataset, self.train_dataset, args)
-        if self.aux_loss_enabled:
-            raise ValueError(
-                "A Mixture-of-Experts student with a router load-balancing loss is not supported yet: the "
-                "distillation loss would silently drop it. Set `router_aux_loss_coef=0.0` to train without it."
-            )
+        validation.refuse_router_aux_loss(self.aux_loss_enabled)
         self.run_lock = take_run_lock(args)  # one run per output_dir (released at train end or exit)
         self.student_identity = student_identity(self.model)  # what a checkpoint records of the student
         add_fused_distillation_forward(self.student)
@@ -103,6 +100,7 @@ class DistillationTrainer(SFTTrainer):
             self.vocab_size = shared_vocab_size(self.student.config, self.teacher.vocab_config(self.student.config),
                                                 self.processing_class)
             self.teacher.attach(self)  # its fit checks, columns and collator
+            sequence_parallel.attach(self)  # long rows split over ranks: position ids, the student's attention
             check_dataset_not_empty(self.train_dataset, "train", "prepared", args.max_length)
             check_sampling_prompts(self.train_dataset, args)  # lmbda / seq_kd: every row needs a prompt
             evaluation = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
@@ -194,9 +192,8 @@ class DistillationTrainer(SFTTrainer):
         self.prepare_teacher()
         return super().get_eval_dataloader(eval_dataset)
 
-    def get_test_dataloader(self, test_dataset):
-        self.prepare_teacher()  # predict()
-        return super().get_test_dataloader(test_dataset)
+    def get_test_dataloader(self, test_dataset):  # predict()
+        return self.prepare_teacher() or super().get_test_dataloader(test_dataset)
 
     def evaluation_loop(self, *args, **kwargs):
         student_plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
@@ -211,6 +208,7 @@ class DistillationTrainer(SFTTrainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        num_items_in_batch = sequence_parallel.start_step(self, batch_samples, device, num_items_in_batch)
         self.teacher.before_step(batch_samples)  # (the training loop is the only caller, in transformers 5.24)
         return batch_samples, num_items_in_batch
 
@@ -250,6 +248,7 @@ class DistillationTrainer(SFTTrainer):
             # `num_items_in_batch` counts every rank's tokens and DeepSpeed/DDP average gradients across ranks
             scale = self.accelerator.num_processes // self.get_tp_size()
             loss, kd, ce = loss * scale, kd * scale, ce * scale
+            loss = sequence_parallel.gradient_scaled(loss, args)  # DeepSpeed sums a sequence group's gradients
         if num_items_in_batch is None and self.model.training:
             # a per-micro-batch mean: the Trainer divides the loss by the accumulation steps; log alike
             kd, ce = kd / self.current_gradient_accumulation_steps, ce / self.current_gradient_accumulation_steps

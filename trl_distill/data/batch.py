@@ -41,6 +41,13 @@ class SignalHolder:
             self._signal = result if self._build is None else self._build(result)
         return self._signal
 
+    def __getstate__(self):
+        """Sequence parallelism sends each batch to every rank of its group (`UlyssesSPDataLoaderAdapter` pickles
+        what is not a tensor): a signal still being fetched is waited for first."""
+        state = dict(self.__dict__)
+        state["_signal"], state["_build"] = self.signal, None
+        return state
+
 
 def pop_signal(inputs: dict, key: str = SIGNAL) -> SparseTeacherSignal | None:
     """Remove the teacher signal (under `key`: one per teacher when several teach) from a batch (the model must not
@@ -49,4 +56,47 @@ def pop_signal(inputs: dict, key: str = SIGNAL) -> SparseTeacherSignal | None:
     if holder is None:
         return None
     device = inputs["input_ids"].device
-    return SparseTeacherSignal(*(t.to(device, non_blocking=True) for t in holder.signal))
+    signal = holder.signal
+    if getattr(holder, "labels", None) is not None:  # sequence parallelism: this rank's positions only
+        signal = shard_signal(holder, signal, inputs["input_ids"].shape[1])
+    return SparseTeacherSignal(*(t.to(device, non_blocking=True) for t in signal))
+
+
+class PositionIdsCollator:
+    """Wraps a collator for sequence parallelism: every batch gets `position_ids` (the Ulysses loader needs them to
+    shard rows and attention to mask causally), and a teacher signal of whole rows remembers their labels, so each
+    rank can take its positions' part (`shard_signal`)."""
+
+    def __init__(self, collator):
+        self.collator = collator
+
+    def __call__(self, examples):
+        batch = self.collator(examples)
+        if "position_ids" not in batch:
+            rows, width = batch["input_ids"].shape
+            batch["position_ids"] = torch.arange(width).expand(rows, width).clone()
+        for value in batch.values():
+            if isinstance(value, SignalHolder):
+                value.labels = batch["labels"]
+        return batch
+
+    def __getattr__(self, name):  # the wrapped collator's attributes (e.g. `padding_free`)
+        return getattr(self.collator, name)
+
+
+def shard_signal(holder: SignalHolder, signal, local_width: int):
+    """This rank's part of `signal`, computed for the whole rows of `holder.labels` ``[B, T]``: the loss tokens of
+    its shard of positions, in the same (row, position) order. The signal as it is for a holder of unsplit rows."""
+    labels = getattr(holder, "labels", None)
+    if labels is None or labels.shape[1] == local_width:
+        return signal
+    from ..model.sharded_attention import sp_group_and_rank
+
+    _, _, rank = sp_group_and_rank()
+    mask = torch.nn.functional.pad(labels[:, 1:] != -100, (0, 1), value=False)  # the loader's shift_labels
+    index = torch.full(mask.shape, -1, dtype=torch.long)
+    index[mask] = torch.arange(int(mask.sum()))
+    start = rank * local_width
+    pick = index[:, start:start + local_width]
+    pick = pick[pick >= 0].to(signal[0].device)
+    return type(signal)(*(t.index_select(0, pick) for t in signal))

@@ -302,3 +302,12 @@ def dataset_sources(dataset) -> list[str]:
             if isinstance(name, str) and os.path.exists(name) and not os.path.realpath(name).startswith(cache):
                 found.append(name)
     return list(dict.fromkeys(found))
+
+
+def refuse_router_aux_loss(enabled: bool) -> None:
+    """A Mixture-of-Experts student whose router load-balancing loss is on: refused (the KD loss would drop it)."""
+    if enabled:
+        raise ValueError(
+            "A Mixture-of-Experts student with a router load-balancing loss is not supported yet: the "
+            "distillation loss would silently drop it. Set `router_aux_loss_coef=0.0` to train without it."
+        )

@@ -26,7 +26,9 @@ from ..data.batch import loss_tokens
 from ..loss.sparse import top_k_teacher_signal
 from ..model.fused_forward import LossFeatures, add_fused_distillation_forward, gathered, hidden_size
 from ..model.logit_check import probe_inputs, settle_logit_paths
+from ..model.sharded_attention import sequence_parallelism_hidden
 from ..runtime.deepspeed_config import build_teacher_config
+from ..runtime.sequence_parallel import check_sharded_attention
 from ..runtime.validation import check_model_path, check_teacher_finite, check_tokenizers_match, check_weights_complete
 from .base import TeacherSource
 from .rows import DenseRows
@@ -179,8 +181,9 @@ class LiveTeacher(TeacherSource):
                 model = self._load()
                 freeze(model)
                 add_fused_distillation_forward(model)
-                with accelerator_state_kept(accelerator):
-                    engine = accelerator.prepare(model)
+                check_sharded_attention(model, self.trainer.args, "teacher")
+                with accelerator_state_kept(accelerator), sequence_parallelism_hidden(accelerator):
+                    engine = accelerator.prepare(model)  # its own engine: the student's alone sets up Ulysses
             engine.eval()
         else:
             model = self._load()

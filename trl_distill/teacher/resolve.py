@@ -9,6 +9,7 @@ import os
 from transformers import PreTrainedModel, TrainingArguments
 
 from ..data.prepare import tokenizer_of
+from ..runtime.sequence_parallel import check_models_before_loading
 from .base import TeacherSource
 from .cached import CachedTeacher
 from .cross_tokenizer import CrossTokenizerTeacher
@@ -51,6 +52,7 @@ def resolve_teacher(teacher_model, args, *, student, processing_class, eval_data
         raise TypeError("DistillationTrainer(model, teacher_model, args, ...): "
                         "the second positional argument is the teacher. Pass the training arguments by keyword, "
                         "`args=...`.")
+    check_models_before_loading(args, student, teacher_model)  # sequence parallelism: the models' heads, attention
     peft = peft_config is not None or hasattr(student, "disable_adapter")
     if args.teachers is not None:
         if teacher_model is not None:

@@ -28,6 +28,7 @@ from .. import compat
 from ..data.batch import loss_tokens
 from ..model.fused_forward import gathered
 from ..rollout.on_policy import DATASET, completion_source
+from ..runtime.sequence_parallel import sequence_parallel_size
 from ..runtime.validation import check_teacher_finite
 from .rows import DenseRows
 
@@ -38,16 +39,20 @@ LABEL_KEYS = ("labels", "shift_labels")
 ROW_INPUTS = {"input_ids": None, "attention_mask": 0, "token_type_ids": 0, "position_ids": None}
 
 
-def plain_rows(batch_samples: list[dict]) -> str | None:
-    """None when every micro-batch holds the same plain ``[rows, length]`` token tensors (and labels); else why not."""
+def plain_rows(batch_samples: list[dict], same_width: bool = False) -> str | None:
+    """None when every micro-batch holds the same plain ``[rows, length]`` token tensors (and labels); else why not.
+    `same_width` (sequence parallelism): right padding would land inside the split sequence, so every micro-batch
+    must have the same length."""
     keys = set(batch_samples[0])
     extra = sorted(keys - set(ROW_INPUTS) - set(LABEL_KEYS))
-    if extra or "input_ids" not in keys or "labels" not in keys:
+    if extra or "input_ids" not in keys or not keys & set(LABEL_KEYS):
         return f"the batches carry {', '.join(extra) or 'no input_ids/labels'}"
     for batch in batch_samples:
         shape = batch["input_ids"].shape
         if set(batch) != keys or any(not isinstance(v, torch.Tensor) or v.shape != shape for v in batch.values()):
             return "the micro-batches' tensors differ in keys or shape"
+    if same_width and len({b["input_ids"].shape[1] for b in batch_samples}) > 1:
+        return "under sequence parallelism its micro-batches differ in length (pad every row to max_length)"
     return None
 
 
@@ -89,7 +94,7 @@ class TeacherStepPass:
             return False
         if completion_source(args.lmbda, args.seq_kd, args.seed, trainer.state.global_step) != DATASET:
             return False  # sampled completions: the teacher runs on them, micro-batch by micro-batch
-        why = plain_rows(batch_samples)
+        why = plain_rows(batch_samples, same_width=sequence_parallel_size(args) > 1)
         if why is not None and not self._told and trainer.accelerator.is_main_process:
             logger.warning("trl_distill: the teacher runs once per micro-batch, not once per optimizer step: %s "
                            "(padding-free or custom inputs), which are not plain [rows, length] tensors.", why)

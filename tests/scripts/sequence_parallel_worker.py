@@ -1,0 +1,56 @@
+"""2 processes, ZeRO-2 student + a ZeRO-3 teacher (or its cache), rows of 2k tokens, SGD: with sequence parallelism
+(``sp``: both ranks hold half of each row) or without (``dp``: each rank its own rows). Records into
+``<out>/rank<k>.json`` the logged losses, the student's weights after training (SGD: their change is the
+gradient), and the sequence lengths each rank's attention saw (local shard, whole sequence).
+
+    sequence_parallel_worker.py <pair dir> <out> <sp|dp> <grad accumulation> <tokens> [cache dir]
+"""
+
+import json
+import os
+import sys
+
+import torch
+from teacher_step_worker import STUDENT_ZERO2
+from transformers import AutoTokenizer
+
+from trl_distill import DistillationConfig, DistillationTrainer
+from trl_distill.testing import long_prompt_completion, tiny_run_settings, write_rank_record
+
+
+def main():
+    pair, out, mode, accumulation, tokens = sys.argv[1:6]
+    cache = sys.argv[6] if len(sys.argv) > 6 else None
+    tokens = int(tokens)
+    tok = AutoTokenizer.from_pretrained(os.path.join(pair, "tokenizer"))
+    teacher = {"teacher_cache": cache} if cache else {"teacher_model_name_or_path": os.path.join(pair, "teacher")}
+    settings = dict(
+        output_dir=out, per_device_train_batch_size=1, gradient_accumulation_steps=int(accumulation), max_steps=2,
+        save_strategy="no", deepspeed=STUDENT_ZERO2, max_length=tokens, optim="sgd", learning_rate=0.5,
+        sequence_parallel_size=2 if mode == "sp" else 1, **teacher,
+    )
+    args = DistillationConfig(**tiny_run_settings(**{**settings, **json.loads(os.environ.get("SP_WORKER_ARGS", "{}"))}))
+    data = long_prompt_completion(8, tokens)
+    trainer = DistillationTrainer(os.path.join(pair, "student"), args=args, train_dataset=data, processing_class=tok)
+    start = trainer.get_batch_samples
+
+    rows = []
+
+    def recording(*a, **k):
+        result = start(*a, **k)
+        rows.append([int(b["input_ids"].sum()) for b in result[0]])
+        if getattr(trainer, "sharded_attention", None) is not None:
+            trainer.sharded_attention.recording = True
+        return result
+
+    trainer.get_batch_samples = recording
+    trainer.train()
+    rec = {"rank": trainer.args.process_index, "log_history": trainer.state.log_history, "rows": rows,
+           "seen": sorted(set(map(tuple, getattr(trainer, "sharded_attention", None).seen))) if mode == "sp" else []}
+    torch.save({n: p.detach().clone() for n, p in trainer.student.named_parameters()},
+               os.path.join(out, f"weights{rec['rank']}.pt"))
+    write_rank_record(out, rec["rank"], rec)
+
+
+if __name__ == "__main__":
+    main()
