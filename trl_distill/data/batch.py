@@ -84,15 +84,16 @@ class PositionIdsCollator:
         return getattr(self.collator, name)
 
 
-def shard_signal(holder: SignalHolder, signal, local_width: int):
+def shard_signal(holder: SignalHolder, signal, local_width: int, rank: int | None = None):
     """This rank's part of `signal`, computed for the whole rows of `holder.labels` ``[B, T]``: the loss tokens of
     its shard of positions, in the same (row, position) order. The signal as it is for a holder of unsplit rows."""
     labels = getattr(holder, "labels", None)
     if labels is None or labels.shape[1] == local_width:
         return signal
-    from ..model.sharded_attention import sp_group_and_rank
+    if rank is None:  # this rank's place in its sequence-parallel group
+        from ..model.sharded_attention import sp_group_and_rank
 
-    _, _, rank = sp_group_and_rank()
+        _, _, rank = sp_group_and_rank()
     mask = torch.nn.functional.pad(labels[:, 1:] != -100, (0, 1), value=False)  # the loader's shift_labels
     index = torch.full(mask.shape, -1, dtype=torch.long)
     index[mask] = torch.arange(int(mask.sum()))

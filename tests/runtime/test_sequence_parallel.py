@@ -1,0 +1,175 @@
+"""Sequence parallelism (DeepSpeed Ulysses, 2 ranks): each rank holds half of every 2k-token row, for the student
+and for the ZeRO-3 teacher, and the run computes what the same run without it computes (data parallel over the same
+rows): the logged losses and, through SGD, the student's gradients. Bad input is one line before anything loads."""
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from oracles import write_teacher_cache
+from transformers import AutoTokenizer, BloomConfig
+
+from trl_distill import DistillationConfig, DistillationTrainer
+from trl_distill.data.batch import SignalHolder, shard_signal
+from trl_distill.loss.sparse import SparseTeacherSignal
+from trl_distill.runtime.sequence_parallel import check_sequence_parallel_args, check_sequence_parallel_models
+from trl_distill.teacher.step_pass import plain_rows
+from trl_distill.testing import (
+    build_tiny_model,
+    build_tokenizer,
+    launch,
+    logged,
+    long_prompt_completion,
+    read_rank_records,
+    tiny_llama_config,
+    tiny_run_settings,
+)
+
+SCRIPTS = Path(__file__).parents[1] / "scripts"
+TOKENS = 2048
+KEYS = ("loss", "kd_loss", "ce_loss")
+ZERO2 = {"zero_optimization": {"stage": 2}}
+
+
+@pytest.fixture(scope="module")
+def long_pair(tmp_path_factory) -> Path:
+    """A tokenizer, a teacher and a student whose positions reach 4k tokens."""
+    directory = tmp_path_factory.mktemp("long_pair")
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(directory / "tokenizer")
+    for seed, size in enumerate(("teacher", "student")):
+        build_tiny_model(tokenizer, size, seed=seed, max_position_embeddings=4096).save_pretrained(directory / size)
+        tokenizer.save_pretrained(directory / size)
+    return directory
+
+
+def run(pair: Path, out: Path, mode: str, accumulation: int, *extra: str) -> list[dict]:
+    sys.path.insert(0, str(SCRIPTS))
+    launch(SCRIPTS / "sequence_parallel_worker.py", str(pair), str(out), mode, str(accumulation), str(TOKENS),
+           *extra, timeout=600)
+    records = read_rank_records(out)
+    for rank in records:
+        rank["weights"] = torch.load(out / f"weights{rank['rank']}.pt")
+    return records
+
+
+def assert_same_run(sp: list[dict], dp: list[dict]) -> None:
+    """Every logged loss to 1e-5, and the student's weights after SGD (their change is lr times the gradient)."""
+    for key in KEYS:
+        want = logged(dp[0]["log_history"], key)
+        assert len(want) == 2
+        for rank in sp:
+            got = logged(rank["log_history"], key)
+            for step, value in want.items():
+                assert got[step] == pytest.approx(value, rel=1e-5), (key, step)
+    moved = max((dp[0]["weights"][n] - sp[0]["weights"][n]).abs().max().item() for n in dp[0]["weights"])
+    assert moved < 1e-5
+    for name, value in dp[0]["weights"].items():
+        torch.testing.assert_close(sp[0]["weights"][name], value, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(sp[1]["weights"][name], value, rtol=1e-5, atol=1e-6)  # rank 1 alike
+
+
+@pytest.mark.distributed
+def test_sp2_with_a_zero3_teacher_trains_as_without(long_pair, tmp_path):
+    """sp 2, gradient accumulation 2, the once-per-step teacher pass: the rows of a data-parallel run with
+    accumulation 1 (the loader gives each micro-batch one rank's row, split over both)."""
+    sp = run(long_pair, tmp_path / "sp", "sp", 2)
+    dp = run(long_pair, tmp_path / "dp", "dp", 1)
+    assert_same_run(sp, dp)
+    for rank in sp:  # each rank's attention (student and teacher) got half of each row and saw the whole row
+        assert rank["seen"] == [[TOKENS // 2, TOKENS]]
+        # the step pass's forwards: both micro-batches' shards at once, every step
+        assert all(len(step) == 2 for step in rank["rows"])
+    assert sp[0]["rows"] != sp[1]["rows"]  # the two ranks hold different halves
+
+
+@pytest.mark.distributed
+def test_sp2_from_a_teacher_cache_trains_as_without(long_pair, tmp_path):
+    """The cache's signal is read for whole rows and split the same way: each rank keeps its positions' part."""
+    tokenizer = AutoTokenizer.from_pretrained(long_pair / "tokenizer")
+    settings = tiny_run_settings(output_dir=str(tmp_path / "writer"), per_device_train_batch_size=1, max_steps=2,
+                                 save_strategy="no", max_length=TOKENS, use_cpu=True)
+    writer = DistillationTrainer(str(long_pair / "student"), str(long_pair / "teacher"),
+                                 args=DistillationConfig(**settings), train_dataset=long_prompt_completion(8, TOKENS),
+                                 processing_class=tokenizer)
+    write_teacher_cache(writer, str(tmp_path / "cache"), top_k=writer.vocab_size, log_prob_dtype="float32")
+    sp = run(long_pair, tmp_path / "sp", "sp", 2, str(tmp_path / "cache"))
+    dp = run(long_pair, tmp_path / "dp", "dp", 1, str(tmp_path / "cache"))
+    assert_same_run(sp, dp)
+
+
+def test_a_signal_of_whole_rows_is_split_by_position():
+    labels = torch.tensor([[-100, -100, 5, 6, 7, 8], [-100, 3, 4, -100, 9, 1]])
+    # loss tokens (the shifted labels): row 0 at 1..4, row 1 at 0, 1, 3, 4; width 6 split in two shards of 3
+    count = int((labels[:, 1:] != -100).sum())
+    signal = SparseTeacherSignal(torch.arange(count)[:, None], torch.zeros(count, 1), torch.arange(count).float())
+    holder = SignalHolder(signal)
+    holder.labels = labels
+    first, second = (shard_signal(holder, signal, 3, rank) for rank in (0, 1))
+    assert first.ids.squeeze(1).tolist() == [0, 1, 4, 5]  # row 0 at 1, 2; row 1 at 0, 1
+    assert second.ids.squeeze(1).tolist() == [2, 3, 6, 7]  # row 0 at 3, 4; row 1 at 3, 4
+    assert shard_signal(SignalHolder(signal), signal, 6, 0) is signal  # not split: as it is
+
+
+def test_the_step_pass_under_sequence_parallelism_needs_one_length():
+    batch = {"input_ids": torch.ones(1, 4, dtype=torch.long), "shift_labels": torch.ones(1, 4, dtype=torch.long)}
+    longer = {k: torch.ones(1, 6, dtype=torch.long) for k in batch}
+    assert plain_rows([batch, batch], same_width=True) is None
+    assert plain_rows([batch, longer]) is None
+    assert "differ in length" in plain_rows([batch, longer], same_width=True)
+
+
+def test_the_config_refuses_before_anything_else(tmp_path):
+    """One process, sequence_parallel_size 2: refused as `DistillationConfig` is built."""
+    with pytest.raises(ValueError, match=r"sequence_parallel_size=2 must divide the number of processes \(1\)"):
+        DistillationConfig(output_dir=str(tmp_path), sequence_parallel_size=2, deepspeed=ZERO2, use_cpu=True)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"sequence_parallel_size": 3}, "must divide the number of processes (2)"),
+    ({"sequence_parallel_attn_implementation": "eager"}, "cannot wrap attn_implementation='eager'"),
+    ({"deepspeed": None}, "needs a DeepSpeed student"),
+    ({"lmbda": 0.5}, "on-policy (lmbda > 0) and seq_kd"),
+    ({"packing": True}, "cannot keep packed documents apart"),
+    ({"teachers": ["a=./a", "b=./b"]}, "takes one teacher"),
+])
+def test_what_cannot_combine_is_refused_as_the_config_is_built(tmp_path, monkeypatch, overrides, message):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError) as error:
+        check_sequence_parallel_args(sp_args(**overrides))
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def sp_args(size: int = 2, **overrides) -> SimpleNamespace:
+    """The fields `check_sequence_parallel_args` reads, as a config of a `size`-process run has them (a whole
+    `DistillationConfig` would set up that many processes)."""
+    fields = dict(sequence_parallel_size=size, sequence_parallel_attn_implementation="sdpa", parallelism_config=None,
+                  deepspeed=ZERO2, lmbda=0.0, seq_kd=False, teachers=None, cross_tokenizer=None,
+                  teacher_tokenizer_name_or_path=None, packing=False, padding_free=False, auto_find_batch_size=False,
+                  model_init_kwargs=None, teacher_model_init_kwargs=None)
+    return SimpleNamespace(**{**fields, **overrides})
+
+
+def test_both_models_load_with_the_exchanged_attention(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = sp_args()
+    check_sequence_parallel_args(args)
+    assert args.parallelism_config.sp_size == 2 and args.parallelism_config.sp_backend == "deepspeed"
+    assert args.parallelism_config.sp_handler.sp_attn_implementation == "sdpa"
+    assert args.model_init_kwargs["attn_implementation"] == "sdpa"
+    assert args.teacher_model_init_kwargs["attn_implementation"] == "sdpa"
+
+
+def test_models_that_cannot_be_split_are_refused_before_loading():
+    args = sp_args(4)
+    tokenizer = build_tokenizer()
+    with pytest.raises(ValueError, match=r"The teacher's 2 attention heads are not divisible by "
+                                         r"sequence_parallel_size=4"):
+        check_sequence_parallel_models(args, {"teacher": tiny_llama_config(tokenizer, num_attention_heads=2)})
+    with pytest.raises(ValueError, match=r"The student's 4 key/value heads and sequence_parallel_size=4|"
+                                         r"BloomForCausalLM\) does not route its attention"):
+        check_sequence_parallel_models(args, {"student": BloomConfig(n_head=4, hidden_size=32)})
+    check_sequence_parallel_models(args, {"student": tiny_llama_config(tokenizer, num_attention_heads=4)})
