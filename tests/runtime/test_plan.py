@@ -190,7 +190,7 @@ def test_help_lists_every_input(capsys):
     assert text.startswith("usage: trl-distill plan")
     for flag in ("--student", "--teacher", "--nodes", "--gpus_per_node", "--gpu_memory_gb", "--dtype", "--micro_batch",
                  "--seq_len", "--optimizer", "--gradient_checkpointing", "--loss_chunk_size", "--json",
-                 "--gradient_accumulation", "--teacher_batch_size",
+                 "--gradient_accumulation", "--teacher_batch_size", "--sequence_parallel",
                  "--student_hidden_size", "--student_layers", "--student_vocab", "--teacher_hidden_size",
                  "--teacher_intermediate_size", "--teacher_kv_heads", "headroom", "12 bytes"):
         assert flag in text, flag
@@ -248,3 +248,35 @@ def test_several_teachers_hold_the_sum_of_their_shards(capsys):
     plan_main(["--student", "1B", "--teacher", "8B", "7B"])
     printed = capsys.readouterr().out
     assert "teacher 2: 7.000B params" in printed and "in ours: teacher_params" in printed
+
+
+def test_sequence_parallel_splits_what_grows_with_the_sequence(capsys):
+    """`--sequence_parallel 4`: each GPU holds a quarter of every sequence's positions: the activations, the loss and
+    the step's teacher states are those of seq_len / 4; weights, gradients and optimizer state do not move; TRL's
+    column (no sequence parallelism) stays whole. The long-sequence rows show each length both ways."""
+    common = ("--student", "1B", "--teacher", "8B", "--gpus_per_node", "8")
+    whole = run_plan(capsys, *common, "--seq_len", "32768")
+    split = run_plan(capsys, *common, "--seq_len", "32768", "--sequence_parallel", "4")
+    quarter = run_plan(capsys, *common, "--seq_len", "8192")
+    for row in ("activations", "logits_loss", "teacher_step"):
+        assert split["configs"]["ours"]["rows"][row] == quarter["configs"]["ours"]["rows"][row]
+        assert split["configs"]["ours"]["rows"][row] < whole["configs"]["ours"]["rows"][row]
+    for row in ("teacher_params", "student_params", "student_grads", "optimizer", "gather_buffers"):
+        assert split["configs"]["ours"]["rows"][row] == whole["configs"]["ours"]["rows"][row]
+    assert split["configs"]["replicated"] == whole["configs"]["replicated"]
+    longest = split["long_sequences"]
+    assert [r["seq_len"] for r in longest] == [32768 * 2**i for i in range(5)]
+    assert longest[0]["without"]["total"] == whole["configs"]["ours"]["total"]
+    assert longest[0]["with"]["total"] == split["configs"]["ours"]["total"]
+    # the activations are linear in the length: doubling it doubles them, with SP as without
+    growth = [r["with"]["growing"] for r in longest]
+    assert growth[1] / growth[0] == pytest.approx(2, rel=0.1)
+    plan_main([*common, "--seq_len", "32768", "--sequence_parallel", "4"])
+    text = capsys.readouterr().out
+    assert "Long sequences" in text and "sequence parallel 4" in text
+
+
+def test_a_sequence_parallel_size_that_does_not_divide_the_gpus_is_one_line(capsys):
+    with pytest.raises(SystemExit):
+        plan_main(["--student", "1B", "--teacher", "8B", "--gpus_per_node", "8", "--sequence_parallel", "3"])
+    assert "sequence_parallel 3 must divide the 8 GPUs" in capsys.readouterr().err

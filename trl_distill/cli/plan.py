@@ -16,6 +16,7 @@ from ..runtime.plan import (
     parse_count,
     plan,
 )
+from ..runtime.plan_long import format_long_rows, long_rows
 from .errors import errors_as_messages
 
 EPILOG = f"""\
@@ -58,6 +59,9 @@ class PlanArguments:
                 "and holds its hidden states at their loss tokens, and its lm_head, through the step."})
     teacher_batch_size: int | None = field(default=None, metadata={
         "help": "Rows per teacher forward in that pass (default: all rows of the step).", "metavar": "N"})
+    sequence_parallel: int = field(default=1, metadata={
+        "help": "GPUs that split each sequence (DeepSpeed Ulysses, `--sequence_parallel_size` in training): each holds "
+        "1/N of its positions. Adds the long-sequence rows against SP 2 when 1 (default: 1)."})
     json: bool = field(default=False, metadata={"help": "Print the plan as JSON (sizes in bytes) instead of a table."})
 
     def __post_init__(self):
@@ -140,4 +144,6 @@ def main(argv: list[str]) -> None:
         values = {f.name: getattr(args, f.name) for f in fields(Settings)}
         settings = Settings(**{**values, "gradient_checkpointing": args.gradient_checkpointing == "on"})
     result = plan(student, teacher, settings)
-    print(json.dumps(result, indent=2) if args.json else format_plan(result))
+    result["long_sequences"] = long_rows(student, teacher, settings)
+    print(json.dumps(result, indent=2) if args.json else
+          format_plan(result) + "\n\n" + format_long_rows(result["long_sequences"]))

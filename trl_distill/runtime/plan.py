@@ -78,11 +78,19 @@ class Settings:
     loss_chunk_size: int | None = None
     gradient_accumulation: int = 1
     teacher_batch_size: int | None = None  # rows per teacher forward in the once-per-step pass; None: all of them
+    sequence_parallel: int = 1  # ranks that split each sequence (Ulysses): each holds seq_len / this of its positions
 
     def __post_init__(self):
         for name in ("nodes", "gpus_per_node", "gpu_memory_gb", "micro_batch", "seq_len", "loss_chunk_size",
-                     "gradient_accumulation", "teacher_batch_size"):
+                     "gradient_accumulation", "teacher_batch_size", "sequence_parallel"):
             check_size(name, getattr(self, name))
+        if self.gpus % self.sequence_parallel:
+            raise ValueError(f"sequence_parallel {self.sequence_parallel} must divide the {self.gpus} GPUs.")
+
+    @property
+    def per_rank(self) -> Settings:
+        """The shape one rank computes on: its shard of each sequence's positions under sequence parallelism."""
+        return replace(self, seq_len=-(-self.seq_len // self.sequence_parallel), sequence_parallel=1)
 
     @property
     def gpus(self) -> int:
@@ -277,6 +285,7 @@ def estimate(student: ModelSpec, teacher_spec: ModelSpec | tuple[ModelSpec, ...]
     gathered = max(zero3_gathered(t) for t in teachers) if teacher in ("zero3", "offload") else 0
     rows["gather_buffers"] = (gathered + (zero3_gathered(student) if student_stage == 3 else 0)) * b
     step_pass = teacher != "replicated"  # TRL runs its teacher per micro-batch
+    s = s.per_rank if chunked else s  # what grows with the sequence, on this rank's positions (TRL: no SP)
     rows["activations"] = max(activation_bytes(student, None if teacher == "served" else t, s, step_pass)
                               for t in teachers)
     rows["logits_loss"] = logits_bytes(student, s, chunked)
@@ -387,7 +396,8 @@ def format_plan(result: dict) -> str:
         f"budget {result['budget'] / GIB:.2f} GiB after {result['headroom']:.0%} headroom",
         f"{s['dtype']}, micro batch {s['micro_batch']}, seq {s['seq_len']}, {s['optimizer']}, gradient checkpointing "
         f"{'on' if s['gradient_checkpointing'] else 'off'}, loss chunk {result['chunk_rows']} rows, gradient "
-        f"accumulation {s['gradient_accumulation']}, teacher rows per forward {result['teacher_rows']}",
+        f"accumulation {s['gradient_accumulation']}, teacher rows per forward {result['teacher_rows']}"
+        + (f", sequence parallel {s['sequence_parallel']} (not TRL's column)" if s["sequence_parallel"] > 1 else ""),
         *(f"{role}: {m['params'] / 1e9:.3f}B params, h={m['hidden']}, L={m['layers']}, V={m['vocab']}, "
           f"i={m['intermediate']} ({m['source']})" + ("" if "ours" not in m else
           f"; in ours: teacher_params {size(m['ours']['teacher_params'])}, teacher_step "
