@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup quickstart test test-fast lint bench-loss bench gpu-wheels bench-cache bench-cross bench-metrics bench-on-policy experiment-on-policy vllm-env clean
+.PHONY: setup quickstart test test-fast lint bench-loss bench gpu-wheels bench-cache bench-cross bench-metrics bench-on-policy bench-long experiment-on-policy vllm-env clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,12 @@ bench-cache: setup vllm-env
 # sizes, 64 and 256 new tokens (writes benchmarks/results/on_policy.{json,md} and its table in docs/benchmarks.md)
 bench-on-policy: setup vllm-env
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/on_policy.py
+
+# Sequence parallelism 2 vs none, 2 processes, rows doubling from 2k tokens: the longest each trains within a per-rank
+# budget, peak RSS per rank and step time (writes benchmarks/results/long_context.json and its table in
+# docs/benchmarks.md)
+bench-long: setup
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/long_context.py
 
 # What the logged diagnostics cost (log_distill_metrics on vs off), 2 processes, the quickstart's size and make bench's
 # (about 6 minutes on 2 idle cores; writes benchmarks/results/metrics_cost.{json,md} and its table in docs/benchmarks.md)
