@@ -45,10 +45,11 @@ def long_pair(tmp_path_factory) -> Path:
     return directory
 
 
-def run(pair: Path, out: Path, mode: str, accumulation: int, *extra: str) -> list[dict]:
+def run(pair: Path, out: Path, mode: str, accumulation: int, *extra: str, tokens: int = TOKENS,
+        env: dict | None = None) -> list[dict]:
     sys.path.insert(0, str(SCRIPTS))
-    launch(SCRIPTS / "sequence_parallel_worker.py", str(pair), str(out), mode, str(accumulation), str(TOKENS),
-           *extra, timeout=600)
+    launch(SCRIPTS / "sequence_parallel_worker.py", str(pair), str(out), mode, str(accumulation), str(tokens),
+           *extra, timeout=600, env=env)
     records = read_rank_records(out)
     for rank in records:
         rank["weights"] = torch.load(out / f"weights{rank['rank']}.pt")
@@ -86,8 +87,9 @@ def test_sp2_with_a_zero3_teacher_trains_as_without(long_pair, tmp_path):
 
 
 @pytest.mark.distributed
-def test_sp2_from_a_teacher_cache_trains_as_without(long_pair, tmp_path):
-    """The cache's signal is read for whole rows and split the same way: each rank keeps its positions' part."""
+def test_sp2_from_a_teacher_cache_with_a_lora_student_trains_as_without(long_pair, tmp_path):
+    """The cache's signal is read for whole rows and split the same way: each rank keeps its positions' part. The
+    student is a LoRA adapter (q and v): its weights after SGD match too."""
     tokenizer = AutoTokenizer.from_pretrained(long_pair / "tokenizer")
     settings = tiny_run_settings(output_dir=str(tmp_path / "writer"), per_device_train_batch_size=1, max_steps=2,
                                  save_strategy="no", max_length=TOKENS, use_cpu=True)
@@ -95,9 +97,21 @@ def test_sp2_from_a_teacher_cache_trains_as_without(long_pair, tmp_path):
                                  args=DistillationConfig(**settings), train_dataset=long_prompt_completion(8, TOKENS),
                                  processing_class=tokenizer)
     write_teacher_cache(writer, str(tmp_path / "cache"), top_k=writer.vocab_size, log_prob_dtype="float32")
-    sp = run(long_pair, tmp_path / "sp", "sp", 2, str(tmp_path / "cache"))
-    dp = run(long_pair, tmp_path / "dp", "dp", 1, str(tmp_path / "cache"))
+    sp = run(long_pair, tmp_path / "sp", "sp", 2, str(tmp_path / "cache"), env={"SP_WORKER_LORA": "1"})
+    dp = run(long_pair, tmp_path / "dp", "dp", 1, str(tmp_path / "cache"), env={"SP_WORKER_LORA": "1"})
+    assert any("lora_A" in name for name in sp[0]["weights"])
     assert_same_run(sp, dp)
+
+
+@pytest.mark.distributed
+def test_sp2_from_a_served_teacher_trains_as_without(served, tmp_path):
+    """A real vLLM server of the teacher answers for whole rows (64 tokens: its context is 128); each rank keeps its
+    positions' part of the top-64."""
+    pair, env = Path(served["teacher"]).parent, {"SP_WORKER_ARGS": '{"temperature": 1.0}'}
+    sp = run(pair, tmp_path / "sp", "sp", 2, served["url"], tokens=64, env=env)
+    dp = run(pair, tmp_path / "dp", "dp", 1, served["url"], tokens=64, env=env)
+    assert_same_run(sp, dp)
+    assert sp[0]["seen"] == [[32, 64]]
 
 
 def test_a_signal_of_whole_rows_is_split_by_position():

@@ -3,7 +3,9 @@
 ``<out>/rank<k>.json`` the logged losses, the student's weights after training (SGD: their change is the
 gradient), and the sequence lengths each rank's attention saw (local shard, whole sequence).
 
-    sequence_parallel_worker.py <pair dir> <out> <sp|dp> <grad accumulation> <tokens> [cache dir]
+    sequence_parallel_worker.py <pair dir> <out> <sp|dp> <grad accumulation> <tokens> [cache dir | server URL]
+
+Environment: SP_WORKER_ARGS (JSON, more config fields), SP_WORKER_LORA (a LoRA student).
 """
 
 import json
@@ -22,8 +24,11 @@ def main():
     pair, out, mode, accumulation, tokens = sys.argv[1:6]
     cache = sys.argv[6] if len(sys.argv) > 6 else None
     tokens = int(tokens)
-    tok = AutoTokenizer.from_pretrained(os.path.join(pair, "tokenizer"))
-    teacher = {"teacher_cache": cache} if cache else {"teacher_model_name_or_path": os.path.join(pair, "teacher")}
+    tok = AutoTokenizer.from_pretrained(os.path.join(pair, "student"))  # saved beside the student
+    if cache and cache.startswith("http"):  # a vLLM server of the teacher
+        teacher = {"teacher_server": cache, "teacher_model_name_or_path": "teacher"}
+    else:
+        teacher = {"teacher_cache": cache} if cache else {"teacher_model_name_or_path": os.path.join(pair, "teacher")}
     settings = dict(
         output_dir=out, per_device_train_batch_size=1, gradient_accumulation_steps=int(accumulation), max_steps=2,
         save_strategy="no", deepspeed=STUDENT_ZERO2, max_length=tokens, optim="sgd", learning_rate=0.5,
@@ -31,7 +36,13 @@ def main():
     )
     args = DistillationConfig(**tiny_run_settings(**{**settings, **json.loads(os.environ.get("SP_WORKER_ARGS", "{}"))}))
     data = long_prompt_completion(8, tokens)
-    trainer = DistillationTrainer(os.path.join(pair, "student"), args=args, train_dataset=data, processing_class=tok)
+    lora = None
+    if os.environ.get("SP_WORKER_LORA"):  # a LoRA student
+        from peft import LoraConfig
+
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = DistillationTrainer(os.path.join(pair, "student"), args=args, train_dataset=data, processing_class=tok,
+                                  peft_config=lora)
     start = trainer.get_batch_samples
 
     rows = []
