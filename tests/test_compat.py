@@ -172,3 +172,23 @@ def test_gloo_group_broadcasts_between_two_members_outside_the_default_group():
     thread.join(timeout=30)
     assert received["tensor"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert not torch.distributed.is_initialized()  # the default group was never touched
+
+
+def test_the_attention_registry_and_model_classes_sequence_parallelism_reads():
+    from transformers import BloomConfig, LlamaConfig, LlamaForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    assert compat.core_attention("sdpa") is sdpa_attention_forward
+    assert compat.causal_lm_class(LlamaConfig()) is LlamaForCausalLM
+    assert compat.uses_attention_interface(LlamaForCausalLM)
+    assert not compat.uses_attention_interface(compat.causal_lm_class(BloomConfig()))
+
+
+def test_sequence_parallelism_hidden_restores_the_state():
+    from types import SimpleNamespace
+
+    state = SimpleNamespace(parallelism_config="sp")
+    accelerator = SimpleNamespace(state=state)
+    with compat.sequence_parallelism_hidden(accelerator):
+        assert state.parallelism_config is None
+    assert state.parallelism_config == "sp"

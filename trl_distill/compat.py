@@ -54,6 +54,20 @@ def accelerator_state_kept(accelerator):
         prepared_models(accelerator)[:] = models
 
 
+@contextlib.contextmanager
+def sequence_parallelism_hidden(accelerator):
+    """Prepare a model other than the student (the teacher's own ZeRO-3 engine) without accelerate's Ulysses set-up,
+    which builds the sequence-parallel groups once and registers the student's attention:
+    `Accelerator._prepare_deepspeed` reads `AcceleratorState.parallelism_config` (accelerate 1.15)."""
+    state = accelerator.state
+    config = state.parallelism_config
+    state.parallelism_config = None
+    try:
+        yield
+    finally:
+        state.parallelism_config = config
+
+
 def partial_state_fields() -> dict:
     """accelerate's shared process state (empty before any `PartialState`): `PartialState._shared_state`."""
     from accelerate import PartialState
@@ -73,6 +87,27 @@ def reset_accelerate_state() -> None:
 def output_dir_of(trainer, trial) -> str:
     """The directory the Trainer saves this run's checkpoints in (a trial's own): `Trainer._get_output_dir`."""
     return trainer._get_output_dir(trial)
+
+
+def core_attention(implementation: str):
+    """transformers' own attention function for `implementation`, not what was registered over it since (accelerate's
+    Ulysses wrapper): the registry's class-level `AttentionInterface._global_mapping` (transformers 5.24)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return type(ALL_ATTENTION_FUNCTIONS)._global_mapping[implementation]
+
+
+def causal_lm_class(config):
+    """The `AutoModelForCausalLM` class of `config`, None when unknown: `_BaseAutoModelClass._model_mapping`."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM._model_mapping.get(type(config), None)
+
+
+def uses_attention_interface(model_class) -> bool:
+    """Whether the model class calls its attention through transformers' attention registry (which sequence
+    parallelism swaps): `PreTrainedModel._supports_attention_backend` (transformers 5.24)."""
+    return bool(getattr(model_class, "_supports_attention_backend", False))
 
 
 def valid_dict_fields(config_class) -> list[str]:

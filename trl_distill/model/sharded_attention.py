@@ -9,9 +9,9 @@ on every rank (the Trainer shards only the train loader), and there it calls the
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
+
+from ..compat import core_attention
 
 
 def sp_group_and_rank():
@@ -75,22 +75,7 @@ def install_sharded_attention(trainer, implementation: str) -> ShardedAttention:
     current = ALL_ATTENTION_FUNCTIONS[implementation]
     if isinstance(current, ShardedAttention):
         return current
-    # The implementation itself, not accelerate's wrapper of it (its registry entry, transformers 5.24)
-    core = type(ALL_ATTENTION_FUNCTIONS)._global_mapping[implementation]
-    sharded = ShardedAttention(core, implementation, lambda: trainer.model.training)
+    # the implementation itself, not accelerate's wrapper of it
+    sharded = ShardedAttention(core_attention(implementation), implementation, lambda: trainer.model.training)
     ALL_ATTENTION_FUNCTIONS[implementation] = sharded
     return sharded
-
-
-@contextlib.contextmanager
-def sequence_parallelism_hidden(accelerator):
-    """Prepare a model other than the student (the teacher's own ZeRO-3 engine) without accelerate's Ulysses set-up,
-    which builds the process groups once and registers the student's attention (`Accelerator._prepare_deepspeed`
-    reads `AcceleratorState.parallelism_config`, accelerate 1.15)."""
-    state = accelerator.state
-    config = state.parallelism_config
-    state.parallelism_config = None
-    try:
-        yield
-    finally:
-        state.parallelism_config = config

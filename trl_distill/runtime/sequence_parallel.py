@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from .. import compat
+
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 """What Ulysses can wrap (`UlyssesSPAttentionHF.register_with_transformers`, deepspeed 0.19.8): not ``eager``."""
 
@@ -114,8 +116,6 @@ def check_sequence_parallel_models(args, named_configs: dict) -> None:
     size = sequence_parallel_size(args)
     if size == 1:
         return
-    from transformers import AutoModelForCausalLM
-
     for name, config in named_configs.items():
         if config is None:
             continue
@@ -129,8 +129,8 @@ def check_sequence_parallel_models(args, named_configs: dict) -> None:
         if kv_heads % size and size % kv_heads:
             raise ValueError(f"The {name}'s {kv_heads} key/value heads and sequence_parallel_size={size}: one must "
                              "divide the other (Ulysses splits or replicates them). Pick another size.")
-        model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
-        if model_class is not None and not getattr(model_class, "_supports_attention_backend", False):
+        model_class = compat.causal_lm_class(config)
+        if model_class is not None and not compat.uses_attention_interface(model_class):
             raise ValueError(f"The {name} ({model_class.__name__}) does not route its attention through "
                              "transformers' attention interface, so sequence parallelism cannot swap it: use a model "
                              "that does (Llama, Qwen2, Mistral, ...) or sequence_parallel_size=1.")

@@ -21,12 +21,11 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from ..compat import accelerator_state_kept, prepare_inputs
+from ..compat import accelerator_state_kept, prepare_inputs, sequence_parallelism_hidden
 from ..data.batch import loss_tokens
 from ..loss.sparse import top_k_teacher_signal
 from ..model.fused_forward import LossFeatures, add_fused_distillation_forward, gathered, hidden_size
 from ..model.logit_check import probe_inputs, settle_logit_paths
-from ..model.sharded_attention import sequence_parallelism_hidden
 from ..runtime.deepspeed_config import build_teacher_config
 from ..runtime.sequence_parallel import check_sharded_attention
 from ..runtime.validation import check_model_path, check_teacher_finite, check_tokenizers_match, check_weights_complete
