@@ -187,3 +187,20 @@ def test_models_that_cannot_be_split_are_refused_before_loading():
                                          r"BloomForCausalLM\) does not route its attention"):
         check_sequence_parallel_models(args, {"student": BloomConfig(n_head=4, hidden_size=32)})
     check_sequence_parallel_models(args, {"student": tiny_llama_config(tokenizer, num_attention_heads=4)})
+
+
+def test_the_position_ids_collator_adds_positions_and_pickles():
+    import pickle
+
+    from trl_distill.data.batch import PositionIdsCollator
+
+    def collate(examples):
+        return {"input_ids": torch.ones(len(examples), 3, dtype=torch.long), "labels": torch.ones(len(examples), 3)}
+
+    collate.padding_free = False
+    wrapped = PositionIdsCollator(collate)
+    batch = wrapped([{}, {}])
+    assert batch["position_ids"].tolist() == [[0, 1, 2], [0, 1, 2]]
+    assert wrapped.padding_free is False
+    copy = pickle.loads(pickle.dumps(PositionIdsCollator(dict)))  # a DataLoader worker gets a pickled collator
+    assert copy.collator is dict

@@ -81,6 +81,8 @@ class PositionIdsCollator:
         return batch
 
     def __getattr__(self, name):  # the wrapped collator's attributes (e.g. `padding_free`)
+        if name == "collator":  # not set yet (unpickling in a DataLoader worker)
+            raise AttributeError(name)
         return getattr(self.collator, name)
 
 
