@@ -177,6 +177,18 @@ def test_both_models_load_with_the_exchanged_attention(monkeypatch):
     assert args.teacher_model_init_kwargs["attn_implementation"] == "sdpa"
 
 
+def test_accelerates_own_parallelism_config_gets_the_attention(monkeypatch):
+    """`ParallelismConfig(sp_backend="deepspeed", sp_size=2)` as accelerate's docs write it (no handler settings)."""
+    from accelerate import ParallelismConfig
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = sp_args(1, parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2))
+    check_sequence_parallel_args(args)
+    assert args.sequence_parallel_size == 2
+    assert args.parallelism_config.sp_handler.sp_attn_implementation == "sdpa"
+    assert args.teacher_model_init_kwargs["attn_implementation"] == "sdpa"
+
+
 def test_models_that_cannot_be_split_are_refused_before_loading():
     args = sp_args(4)
     tokenizer = build_tokenizer()

@@ -83,6 +83,8 @@ def check_sequence_parallel_args(args) -> None:
         handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True,
                                                   sp_attn_implementation=implementation)
         args.parallelism_config = ParallelismConfig(sp_backend="deepspeed", sp_size=size, sp_handler=handler)
+    elif getattr(given.sp_handler, "sp_attn_implementation", None) is None:
+        given.sp_handler.sp_attn_implementation = implementation  # accelerate would register None
     args.sequence_parallel_size = size
     for name in ("model_init_kwargs", "teacher_model_init_kwargs"):
         kwargs = getattr(args, name)
@@ -97,7 +99,7 @@ def _refusals(args, implementation: str):
     flash = implementation.startswith("flash_attention")
     return [
         (not args.deepspeed, "needs a DeepSpeed student (accelerate's Ulysses path is DeepSpeed's): pass --deepspeed "
-         "with a ZeRO config, e.g. configs/deepspeed/zero2.json."),
+         "with a ZeRO config, e.g. configs/deepspeed/zero2_student.json."),
         (args.lmbda > 0 or args.seq_kd, "does not sample completions: on-policy (lmbda > 0) and seq_kd generate "
          "whole sequences on one rank. Set lmbda=0 and seq_kd=False."),
         (args.teachers is not None, "takes one teacher: drop `teachers` or set sequence_parallel_size=1."),
