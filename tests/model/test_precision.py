@@ -70,7 +70,7 @@ def bf16_and_fp32_runs(tiny_pair, tmp_path_factory) -> dict:
     tokenizer.save_pretrained(teacher)
     worker = Path(__file__).parents[1] / "scripts" / "precision_worker.py"
     runs = {}
-    for mode in ("fp32", "bf16"):
+    for mode in ("fp32", "bf16") if cpu_supports_bf16() else ("fp32",):  # bf16 needs the CPU's native units
         launch(worker, tiny_pair["student"], teacher, str(out), mode, timeout=300)
         runs[mode] = [json.loads((out / mode / f"rank{r}.json").read_text()) for r in (0, 1)]
     return runs

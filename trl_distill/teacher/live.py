@@ -180,7 +180,8 @@ class LiveTeacher(TeacherSource):
                 model = self._load()
                 freeze(model)
                 add_fused_distillation_forward(model)
-                check_sharded_attention(model, self.trainer.args, "teacher")
+                if hasattr(self, "trainer"):  # (a teacher prepared on its own has no run settings to check)
+                    check_sharded_attention(model, self.trainer.args, "teacher")
                 with accelerator_state_kept(accelerator), sequence_parallelism_hidden(accelerator):
                     engine = accelerator.prepare(model)  # its own engine: the student's alone sets up Ulysses
             engine.eval()
