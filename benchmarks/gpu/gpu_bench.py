@@ -15,9 +15,9 @@ loss vs Liger's Triton kernel. Run it through ``benchmarks/gpu/run.sh`` (which i
   (its forward KL) and 1 (reverse KL). Time (CUDA events, median of 5 after 2 warm-ups), extra peak GPU memory, and
   each loss value against the naive one.
 
-``--mode cpu-dry-run`` runs every step at tiny sizes on the CPU (fp32 loss, bf16 training where the CPU has it), so the
-test suite keeps the script working; Liger is skipped there (Triton needs a GPU). Writes ``gpu_bench.json`` and
-``gpu_bench.md`` to ``--output_dir``.
+``--mode cpu-dry-run`` runs every step at tiny sizes on the CPU (fp32 loss; bf16 training where the CPU computes bf16
+natively, fp32 elsewhere), so the test suite keeps the script working; Liger is skipped there (Triton needs a GPU).
+Writes ``gpu_bench.json`` and ``gpu_bench.md`` to ``--output_dir``.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def run_training(name: str, sizes: dict, models: dict, out: Path) -> dict:
             "teacher": models["teacher"], "tokenizer": models["tokenizer"], "vocab_size": sizes["vocab_size"],
             "seq_len": seq, "prompt_len_range": [seq * 3 // 40, seq * 5 // 40], "batch": 1, "accumulation": 1,
             "steps": sizes["steps"], "warmup": sizes["warmup"], "data_seed": 0, "num_examples": sizes["steps"],
-            "bf16": True, "log_distill_metrics": False}  # fmt: skip
+            "bf16": sizes.get("bf16", True), "log_distill_metrics": False}  # fmt: skip
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}  # fmt: skip
     worker = HERE / "train_worker.py"
@@ -212,10 +212,11 @@ def _time_one(fn, hs0, ws, ht, wt, cfg: dict, cuda: bool) -> dict:
 # ---- report -------------------------------------------------------------------------------------------------
 def markdown(rep: dict) -> str:
     s, mod = rep["sizes"], rep["models"]
+    dt = "bf16" if s.get("bf16", True) else "fp32"
     lines = [f"# The GPU run ({rep['mode']})", "",
              f"{rep['machine'].get('gpu') or 'no GPU'}; teacher {mod['teacher_params'] / 1e6:,.1f}M, student "
              f"{mod['student_params'] / 1e6:,.1f}M parameters (random-init Llama, {s['vocab_size']}-token vocabulary), "
-             f"{s['seq_len']}-token rows, micro batch 1, bf16, {s['steps']} steps of which {s['warmup']} warm-up; "
+             f"{s['seq_len']}-token rows, micro batch 1, {dt}, {s['steps']} steps of which {s['warmup']} warm-up; "
              f"{rep['total_runtime_s']:.0f} s in all, {rep['machine']['date'][:16]}.", "",
              "| training run | tokens/s | step s | peak GPU MiB | peak RSS MiB | teacher MiB held | train loss |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -258,9 +259,13 @@ def main() -> None:
 
     import torch
 
+    from trl_distill.model.precision import cpu_supports_bf16
+
     if args.mode == "gpu" and not torch.cuda.is_available():
         sys.exit("gpu_bench.py: no CUDA device here; run benchmarks/gpu/run.sh --cpu-dry-run on a machine without GPU.")
-    sizes, out, t0 = SIZES[args.mode], Path(args.output_dir), time.perf_counter()
+    sizes, out, t0 = dict(SIZES[args.mode]), Path(args.output_dir), time.perf_counter()
+    if args.mode == "cpu-dry-run" and not cpu_supports_bf16():  # torch would emulate bf16; trl_distill refuses it
+        sizes.update(dtype="float32", bf16=False)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="trl_distill_gpu_", dir=args.models_dir) as tmp:
         models = build_models(sizes, Path(tmp) / "models")
