@@ -232,3 +232,23 @@ def test_stop_cancels_the_retries(server):
         http.post("/always500", {}, stop=stop)
     assert str(error.value) == f"The request to the test server {server.url}/always500 was cancelled."
     assert server.requests["/always500"] == 1 and 0.3 <= time.monotonic() - start < 3
+
+
+def test_a_stop_set_before_the_request_sends_nothing(server):
+    stop, http = threading.Event(), client(server.url)
+    stop.set()
+    with pytest.raises(Down, match="was cancelled"):
+        http.post("/ok", {}, stop=stop)
+    assert server.requests["/ok"] == 0 and server.connections == 0
+
+
+def test_a_threads_session_outlives_its_thread_until_close(server):
+    """Freed with its thread, a Session would run urllib3's finalizers there, racing the interpreter's exit."""
+    http = client(server.url)
+    worker = threading.Thread(target=http.get, args=("/ok",))
+    worker.start()
+    worker.join(30)
+    (session,) = http._sessions
+    assert session.adapters["http://"].poolmanager.pools  # its connection pool is still open
+    http.close()
+    assert http._sessions == [] and not session.adapters["http://"].poolmanager.pools

@@ -54,3 +54,51 @@ def test_a_server_and_a_cache_together_are_refused(tiny_pair, tmp_path):
                               teacher_cache=str(tmp_path / "cache"), report_to="none", use_cpu=True, bf16=False)
     with pytest.raises(ValueError, match="either --teacher_server .* or --teacher_cache"):
         DistillationTrainer(tiny_pair["student"], args=args, train_dataset=synthetic_prompt_completion(8))
+
+
+def test_a_failed_fetch_pickles_as_its_error_and_raises_where_it_is_read():
+    """A DataLoader worker pickles each batch into its queue: a holder whose fetch failed must pickle (raising
+    there loses the batch, and the run hangs on it) and raise the server's error where the loss reads it."""
+    import pickle
+    from concurrent.futures import Future
+
+    from trl_distill.data.batch import SignalHolder
+
+    failed = Future()
+    failed.set_exception(TeacherServerError("The teacher server returned no prompt_logprobs (got null)."))
+    done = Future()
+    done.set_result(((1, 2), (3, 4)))
+    for holder in (SignalHolder(failed), SignalHolder(None, error=failed.exception())):
+        copy = pickle.loads(pickle.dumps(holder))
+        with pytest.raises(TeacherServerError, match="got null"):
+            _ = copy.signal
+    assert pickle.loads(pickle.dumps(SignalHolder(done, build=lambda r: sum(r, ())))).signal == (1, 2, 3, 4)
+
+
+_BUSY_AT_EXIT = """
+import sys, time
+import numpy
+import torch  # loaded, as in a run: a daemon thread running Python as the interpreter finalizes aborts it
+from trl_distill.teacher.served import RequestPool
+
+def busy(stop):  # a request retrying until training stops, building its numpy arrays
+    while not stop.is_set():
+        numpy.unique(numpy.arange(1000) % 7)
+
+pool = RequestPool(4)
+for _ in range(8):
+    pool.submit(busy)
+time.sleep(0.2)
+sys.exit(1)  # a run leaving on a server fault, its requests still in flight
+"""
+
+
+def test_a_process_leaving_with_requests_in_flight_exits_with_its_status():
+    """Without the pool's exit hook, about half of these exits abort with -6 ("terminate called without an active
+    exception") instead of leaving with status 1."""
+    import subprocess
+    import sys
+
+    for _ in range(4):
+        proc = subprocess.run([sys.executable, "-c", _BUSY_AT_EXIT], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and "terminate" not in proc.stderr, (proc.returncode, proc.stderr[-2000:])

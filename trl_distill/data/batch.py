@@ -29,13 +29,16 @@ class SignalHolder:
     `_prepare_inputs` would cast float tensors to the DeepSpeed dtype (bf16), and it cannot rebuild a NamedTuple
     (transformers 5.24)."""
 
-    def __init__(self, signal: SparseTeacherSignal | Future, build=None):
-        self._signal, self._build = signal, build
+    def __init__(self, signal: SparseTeacherSignal | Future | None, build=None, error: Exception | None = None):
+        self._signal, self._build, self.error = signal, build, error
 
     @property
     def signal(self) -> SparseTeacherSignal:
         """The signal; waits for it when it is still being fetched (the fetch itself has a timeout). A future's
-        result goes through `build` first, on the thread reading it (a served teacher's numpy arrays)."""
+        result goes through `build` first, on the thread reading it (a served teacher's numpy arrays). A fetch
+        that failed (`error`) raises its error here, where the loss reads it."""
+        if self.error is not None:
+            raise self.error
         if isinstance(self._signal, Future):
             result = self._signal.result()
             self._signal = result if self._build is None else self._build(result)
@@ -43,9 +46,18 @@ class SignalHolder:
 
     def __getstate__(self):
         """Sequence parallelism sends each batch to every rank of its group (`UlyssesSPDataLoaderAdapter` pickles
-        what is not a tensor): a signal still being fetched is waited for first."""
+        what is not a tensor): a signal still being fetched is waited for first, and a fetch that failed travels as
+        its error (raising it here would fail the pickling: in a DataLoader worker's queue that is a lost batch, and
+        a hang)."""
         state = dict(self.__dict__)
-        state["_signal"], state["_build"] = self.signal, None
+        if isinstance(self._signal, Future):
+            from ..errors import ExternalError
+
+            try:
+                state["_signal"] = self.signal
+            except ExternalError as error:
+                state["_signal"], state["error"] = None, error
+            state["_build"] = None
         return state
 
 

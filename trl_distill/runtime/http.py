@@ -3,8 +3,9 @@ and out over `requests`, with keep-alive, a timeout per request, retries with ba
 
 Connections: one `requests.Session` per thread (a `threading.local`; a Session shared by threads is common but not
 documented thread-safe), each with an `HTTPAdapter` of one kept-alive connection, since a thread sends one request
-at a time: N threads hold N connections to the server, reused request after request. A Session dies with its thread;
-a forked or unpickled copy of the client opens its own (a child never writes on its parent's sockets).
+at a time: N threads hold N connections to the server, reused request after request. The Sessions are kept until
+`close` (not freed with their threads); a forked or unpickled copy of the client opens its own (a child never writes
+on its parent's sockets).
 
 Retries: the adapter's urllib3 `Retry` is set to none, and `JsonHttpClient` retries itself, because urllib3 sleeps
 between its retries where nothing can interrupt it: here the wait is `stop.wait(...)`, so setting `stop` (training
@@ -20,7 +21,6 @@ import json
 import os
 import threading
 import time
-import weakref
 
 import requests
 from requests.adapters import HTTPAdapter
@@ -60,7 +60,10 @@ class JsonHttpClient:
 
     def _open(self) -> None:
         self._local, self._lock, self._pid = threading.local(), threading.Lock(), os.getpid()
-        self._sessions = weakref.WeakSet()  # every thread's, to close them (held by the threads' locals alone)
+        # Every thread's, held here until `close`: a Session freed as its thread ends runs urllib3's weakref
+        # finalizers on that thread, which can race the interpreter's own exit ("dictionary changed size during
+        # iteration" in weakref's atexit hook, after a run stopped on a server fault).
+        self._sessions = []
 
     def __getstate__(self) -> dict:  # sessions and locks stay in this process
         return {k: v for k, v in self.__dict__.items() if k not in ("_local", "_lock", "_pid", "_sessions")}
@@ -81,7 +84,7 @@ class JsonHttpClient:
             session.mount("https://", adapter)
             with self._lock:
                 self._local.session = session
-                self._sessions.add(session)
+                self._sessions.append(session)
         return session
 
     def get(self, path: str, params: dict | None = None, stop: threading.Event | None = None):
@@ -95,15 +98,15 @@ class JsonHttpClient:
     def close(self) -> None:
         """Close every thread's connections; the next request opens new ones."""
         with self._lock:
-            sessions, self._sessions, self._local = list(self._sessions), weakref.WeakSet(), threading.local()
+            sessions, self._sessions, self._local = self._sessions, [], threading.local()
         for session in sessions:
             session.close()
 
     def _request(self, method: str, path: str, body, params: dict | None, stop: threading.Event | None):
         what, attempts = f"{self.what} {self.url}", self.retries + 1
         failure, answered = None, False
-        for attempt in range(attempts):
-            if attempt and _wait(stop, self.backoff * 2 ** (attempt - 1)):
+        for attempt in range(attempts):  # `stop` set before the first attempt: none is made
+            if _wait(stop, self.backoff * 2 ** (attempt - 1) if attempt else 0):
                 raise self.unreachable_error(f"The request to {self.what[:1].lower()}{self.what[1:]} "
                                              f"{self.url}{path} was cancelled.")
             try:

@@ -64,9 +64,10 @@ class RunLock:
         self.output_dir = output_dir
         self.path = os.path.join(output_dir, LOCK_NAME)
         self.token, self.created_dir, self.pid = token, created_dir, os.getpid()
-        self._stop = threading.Event()
+        self._stop, self._beating = threading.Event(), None
         if token is not None:
-            threading.Thread(target=self._beat, name="trl_distill-run-lock", daemon=True).start()
+            self._beating = threading.Thread(target=self._beat, name="trl_distill-run-lock", daemon=True)
+            self._beating.start()
             atexit.register(self.release)
 
     def _ours(self) -> bool:
@@ -89,6 +90,8 @@ class RunLock:
         if self.token is None or self._stop.is_set() or os.getpid() != self.pid:
             return
         self._stop.set()
+        if self._beating is not threading.current_thread():  # ended before the interpreter finalizes: a daemon
+            self._beating.join(2)  # thread running Python then aborts the process (with torch loaded)
         with contextlib.suppress(OSError):
             if self._ours():
                 os.remove(self.path)

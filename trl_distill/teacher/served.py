@@ -17,10 +17,13 @@ numpy arrays become tensors where the signal is read.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
 import threading
+import time
+import weakref
 from concurrent.futures import Future
 
 import numpy as np
@@ -196,7 +199,7 @@ class ServedTeacher(TeacherSource):
             try:
                 return SignalHolder(self.fetch(rows, positions))
             except ExternalError as error:  # raised where the loss reads it, as from a thread (not as the
-                return FailedSignal(error)  # DataLoader's "Caught ... in DataLoader worker" wrapper)
+                return SignalHolder(None, error=error)  # DataLoader's "Caught ... in DataLoader worker" wrapper)
         if self._pool is None or self._pool_pid != os.getpid():
             self._pool, self._pool_pid = RequestPool(self.concurrency), os.getpid()
         return SignalHolder(self._pool.submit(self.fetch_arrays, rows, positions), build=signal_of)
@@ -228,13 +231,21 @@ class RequestPool:
     """`size` daemon threads running the requests `submit` queues, each answered in a `Future`. Unlike a
     `ThreadPoolExecutor` (whose threads Python joins at exit), a request still waiting on a hung server never
     holds the process once training has stopped; `close` cancels the queued requests and stops the retries of
-    those in flight."""
+    those in flight. At exit every pool is closed and its threads are given `EXIT_WAIT_S` to end: a daemon thread
+    still running Python as the interpreter finalizes aborts the process ("terminate called without an active
+    exception", exit -6, with torch loaded), where a run stopping on a server fault must leave with its line and
+    status 1. A thread blocked on a hung server's answer waits in C, harmlessly, and is not waited for."""
+
+    EXIT_WAIT_S = 3.0
 
     def __init__(self, size: int):
         self.stop, self._queue = threading.Event(), queue.SimpleQueue()
-        for i in range(size):
-            threading.Thread(target=self._work, name=f"served-teacher-{i}", daemon=True).start()
-        self._size = size
+        self.threads = [threading.Thread(target=self._work, name=f"served-teacher-{i}", daemon=True)
+                        for i in range(size)]
+        for thread in self.threads:
+            thread.start()
+        self._size, self._pid = size, os.getpid()
+        _open_pools.add(self)
 
     def submit(self, fetch, *args) -> Future:
         future = Future()
@@ -264,16 +275,18 @@ class RequestPool:
             self._queue.put(None)
 
 
-class FailedSignal(SignalHolder):
-    """A batch whose request failed in a DataLoader worker: reading its signal raises the server's error."""
+_open_pools: weakref.WeakSet[RequestPool] = weakref.WeakSet()
 
-    def __init__(self, error: ExternalError):
-        super().__init__(None)
-        self.error = error
 
-    @property
-    def signal(self) -> SparseTeacherSignal:
-        raise self.error
+@atexit.register
+def _end_pools_at_exit() -> None:
+    pools = [pool for pool in list(_open_pools) if pool.threads and pool._pid == os.getpid()]
+    for pool in pools:
+        pool.close()
+    deadline = time.monotonic() + RequestPool.EXIT_WAIT_S
+    for pool in pools:
+        for thread in pool.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class ServedTeacherCollator:
