@@ -48,11 +48,12 @@ def long_pair(tmp_path_factory) -> Path:
 def run(pair: Path, out: Path, mode: str, accumulation: int, *extra: str, tokens: int = TOKENS,
         env: dict | None = None) -> list[dict]:
     sys.path.insert(0, str(SCRIPTS))
-    launch(SCRIPTS / "sequence_parallel_worker.py", str(pair), str(out), mode, str(accumulation), str(tokens),
-           *extra, timeout=600, env=env)
+    proc = launch(SCRIPTS / "sequence_parallel_worker.py", str(pair), str(out), mode, str(accumulation), str(tokens),
+                  *extra, timeout=600, env=env)
     records = read_rank_records(out)
     for rank in records:
         rank["weights"] = torch.load(out / f"weights{rank['rank']}.pt")
+        rank["printed"] = proc.stdout  # both ranks' output
     return records
 
 
@@ -84,6 +85,8 @@ def test_sp2_with_a_zero3_teacher_trains_as_without(long_pair, tmp_path):
         # the step pass's forwards: both micro-batches' shards at once, every step
         assert all(len(step) == 2 for step in rank["rows"])
     assert sp[0]["rows"] != sp[1]["rows"]  # the two ranks hold different halves
+    said = "sequence parallelism 2 (DeepSpeed Ulysses, sdpa attention): each rank holds 1024 of every 2048-token row"
+    assert sp[0]["printed"].count(said) == 1 and said not in dp[0]["printed"]  # rank 0 says so, once
 
 
 @pytest.mark.distributed

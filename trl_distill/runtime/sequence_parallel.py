@@ -179,7 +179,13 @@ def start_step(trainer, batch_samples: list[dict], device, counted):
     from ..model.sharded_attention import install_sharded_attention
 
     trainer.model.train()  # the teacher pass runs before `training_step` sets it (the exchange is on in training)
+    first = getattr(trainer, "sharded_attention", None) is None
     trainer.sharded_attention = install_sharded_attention(trainer, attention_implementation(trainer.args))
+    if first and batch_samples and trainer.accelerator.is_main_process:
+        size, width = sequence_parallel_size(trainer.args), batch_samples[0]["input_ids"].shape[1]
+        print(f"trl_distill: sequence parallelism {size} (DeepSpeed Ulysses, {attention_implementation(trainer.args)} "
+              f"attention): each rank holds {width} of every {width * size}-token row's positions, student and "
+              "teacher alike.", flush=True)  # like the start-up's other lines
     return sharded_token_count(trainer, batch_samples, device, counted)
 
 
