@@ -244,7 +244,7 @@ class RequestPool:
                         for i in range(size)]
         for thread in self.threads:
             thread.start()
-        self._size, self._pid = size, os.getpid()
+        self._pid = os.getpid()
         _open_pools.add(self)
 
     def submit(self, fetch, *args) -> Future:
@@ -271,7 +271,7 @@ class RequestPool:
                 break
             if item is not None:
                 item[0].cancel()
-        for _ in range(self._size):
+        for _ in self.threads:
             self._queue.put(None)
 
 
