@@ -23,7 +23,7 @@ quickstart: setup
 test: setup vllm-env
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
 
-# The edit loop: everything but the multi-process tests (under a minute on 2 cores). `make test` is what CI runs.
+# The edit loop: everything but the multi-process tests (about 10 minutes on 2 cores). `make test` is what CI runs.
 test-fast: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not distributed"
 
