@@ -3,7 +3,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from rank_pool import RankPool
 
+from trl_distill import testing
 from trl_distill.testing import (
     VLLM_VENV,
     build_sentencepiece_style_tokenizer,
@@ -22,6 +24,17 @@ os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")
 SCRIPTS = Path(__file__).parent / "scripts"
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_ranks():
+    """The session's shared ranks (tests/rank_pool.py): every torchrun launch of 2 processes runs there as a job,
+    started on the first one; a test that kills or freezes a rank launches on its own (``own_launch=True``)."""
+    pool = RankPool()
+    testing.use_shared_ranks(pool)
+    yield pool
+    testing.use_shared_ranks(None)
+    pool.close()
 
 
 @pytest.fixture(scope="session")
@@ -98,10 +111,14 @@ MULTI_PROCESS_FIXTURES = {"zero2_zero3_runs", "lora_runs", "bf16_and_fp32_runs",
 
 
 def pytest_collection_modifyitems(config, items):
-    """`make test-fast` runs ``-m "not distributed"``: keep every multi-process test out of it."""
+    """`make test-fast` runs ``-m "not distributed"``: keep every multi-process test out of it. Under pytest-xdist
+    (``make test``: ``-n 2 --dist loadgroup``) every multi-process test runs on one worker, in order, sharing that
+    worker's shared ranks and vLLM servers, while the other worker runs the one-process tests."""
     for item in items:
         if MULTI_PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.distributed)
+        if item.get_closest_marker("distributed"):
+            item.add_marker(pytest.mark.xdist_group("distributed"))
 
 
 @pytest.fixture(scope="session")

@@ -69,7 +69,8 @@ def test_the_readme_minimal_example_runs_as_written(qwen_pair, tmp_path):
         code = code.replace(old, new)
     script = tmp_path / "train.py"
     script.write_text(code)
-    launch(script, cwd=ROOT, timeout=400)  # "torchrun --nproc_per_node N train.py"; 16 rows, 3 epochs: 3 steps
+    # "torchrun --nproc_per_node N train.py", as a user runs it (not a shared-ranks job); 16 rows, 3 epochs: 3 steps
+    launch(script, cwd=ROOT, timeout=400, own_launch=True)
     saved = load_file(str(tmp_path / "out" / "model.safetensors"))
     dtype = torch.bfloat16 if cpu_supports_bf16() else torch.float32  # precision chosen for this machine
     assert {t.dtype for t in saved.values()} == {dtype}
@@ -118,5 +119,5 @@ def test_accelerate_guide_configs_verbatim(tiny_pair, tmp_path):
 def test_examples_distill_script(tiny_pair, tmp_path):
     out = tmp_path / "out"
     launch(ROOT / "examples/distill.py", "--teacher", tiny_pair["teacher"], "--student", tiny_pair["student"],
-           "--output_dir", str(out), "--max_steps", "2", timeout=400)
+           "--output_dir", str(out), "--max_steps", "2", timeout=400, own_launch=True)
     assert moved(load_file(str(out / "model.safetensors")), tiny_pair["student"])

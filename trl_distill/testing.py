@@ -175,13 +175,15 @@ def launch(
     launcher: str = "torchrun",
     launcher_args: tuple[str, ...] = (),
     cwd: str | os.PathLike | None = None,
+    own_launch: bool = False,
 ) -> subprocess.CompletedProcess:
     """Run `script` on `nproc` processes on loopback, one thread per rank.
 
     `launcher` is ``"torchrun"`` or ``"accelerate"`` (``accelerate launch``, with `launcher_args` such as
     ``("--use_deepspeed", "--zero_stage", "2")``). Raises `RuntimeError` with the combined output if it fails,
     and `subprocess.TimeoutExpired` (after killing every rank) if it runs past `timeout` seconds, so a hang
-    fails fast.
+    fails fast. Under a test session's shared ranks (`use_shared_ranks`) a torchrun launch runs there as one job,
+    unless `own_launch` (a run that kills or freezes a rank on purpose, or that tests the launch itself).
     """
     if launcher == "torchrun":
         cmd = [
@@ -197,6 +199,9 @@ def launch(
         raise ValueError(f"launcher must be 'torchrun' or 'accelerate', got {launcher!r}.")
     cmd += [*launcher_args, str(script), *script_args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    if _shared_ranks and not own_launch and _shared_ranks[0].accepts(nproc, launcher, tuple(launcher_args)):
+        return _shared_ranks[0].run(cmd, str(script), [str(a) for a in script_args], module=bool(launcher_args),
+                                    env=full_env, cwd=cwd, timeout=timeout)
     proc = subprocess.Popen(
         cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         cwd=cwd,
@@ -211,6 +216,15 @@ def launch(
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed with exit code {proc.returncode}:\n{out[-8000:]}")
     return result
+
+
+_shared_ranks: list = []  # the test session's shared ranks (tests/rank_pool.py), when it has them
+
+
+def use_shared_ranks(pool) -> None:
+    """Let `launch` run its torchrun launches as jobs of `pool` (an object with ``accepts(nproc, launcher,
+    launcher_args)`` and ``run(cmd, target, args, module, env, cwd, timeout)``); None: launch each on its own."""
+    _shared_ranks[:] = [pool] if pool is not None else []
 
 
 def write_rank_record(directory: str | os.PathLike, rank: int, record: dict) -> Path:
@@ -298,7 +312,10 @@ def vllm_server(model_dir: str | os.PathLike, name: str = "teacher", timeout: fl
 
         cmd, env = serve_command(str(model_dir), port=port, host="127.0.0.1", served_model_name=name, dtype="float32",
                                  max_logprobs=max_logprobs, python=Path(venv) / "bin" / "python")
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
+    # Eager (no inductor compilation at start: 20 s of a 60 s start on 2 cores), the engine in the server's process
+    # (no second process importing vLLM: 10 s more)
+    cmd += ["--enforce-eager"]
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     if max_model_len is not None:  # may pass the config's context by the one token vLLM generates (and we drop)
         cmd += ["--max-model-len", str(max_model_len)]
         env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
@@ -316,7 +333,7 @@ def vllm_server(model_dir: str | os.PathLike, name: str = "teacher", timeout: fl
                 if proc.poll() is not None or time.monotonic() > deadline:
                     why = "exited" if proc.poll() is not None else f"not healthy after {timeout:.0f} s"
                     raise RuntimeError(f"vLLM server {why}:\n{log_path.read_text()[-4000:]}") from None
-                time.sleep(2)
+                time.sleep(0.5)
         SERVER_PIDS[url] = proc.pid
         yield url
     finally:

@@ -371,7 +371,7 @@ def test_cache_teacher_resumes_byte_identically_and_training_needs_no_teacher(ti
     def cache_teacher(directory, worker_args=()):
         if worker_args:  # the CLI's own code, with rank 0 SIGKILLed once a shard is on disk
             return launch(SCRIPTS / "cache_worker.py", *worker_args, *common, *cache_flags, "--teacher_cache",
-                          str(directory), timeout=240)
+                          str(directory), timeout=240, own_launch=True)
         return launch("trl_distill", "cache-teacher", *common, *cache_flags, "--teacher_cache", str(directory),
                       launcher_args=("-m",), timeout=240)
 

@@ -307,7 +307,7 @@ class _Hub(BaseHTTPRequestHandler):
 
 def test_a_reachable_hub_or_offline_mode_goes_on_to_the_hub_loader(monkeypatch, closed_hub):
     loaded = []
-    monkeypatch.setattr(prepare, "load_dataset", lambda path, name=None: loaded.append(path) or {"train": []})
+    monkeypatch.setattr("datasets.load_dataset", lambda path, name=None: loaded.append(path) or {"train": []})
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the local cache only: no probe, even with no hub
     prepare.load_dataset_any("trl-lib/Capybara")
     monkeypatch.delenv("HF_HUB_OFFLINE")

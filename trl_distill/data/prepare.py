@@ -6,11 +6,13 @@ import json
 import logging
 import os
 import re
-
-from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+from typing import TYPE_CHECKING
 
 from ..runtime.hub import require_hub
 from ..runtime.quiet import PROMPT_NOT_A_PREFIX
+
+if TYPE_CHECKING:  # datasets is imported where it is used: `import trl_distill` stays as cheap as TRL's own
+    from datasets import Dataset, DatasetDict
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +33,8 @@ def load_dataset_any(name: str, config: str | None = None, what: str = "--datase
     directory saved with `save_to_disk`, a directory of data files, or a hub id (``owner/name`` or ``name``, not an
     existing path: loaded from the hub, after `hub.require_hub` made sure the hub answers). `what` names the
     argument in messages."""
+    from datasets import load_dataset
+
     if os.path.isfile(name):
         builder = _FILE_BUILDERS.get(os.path.splitext(name)[1].lower())
         if builder is None:
@@ -69,6 +73,8 @@ def looks_like_hub_id(name: str) -> bool:
 def _load_saved(directory: str) -> DatasetDict:
     """A directory written by `save_to_disk`; one that cannot be read back (an arrow file cut short, a damaged
     state.json) is one line naming it."""
+    from datasets import DatasetDict, load_from_disk
+
     try:
         loaded = load_from_disk(directory)
     except Exception as error:  # pyarrow's, json's or datasets' own error: none names the directory

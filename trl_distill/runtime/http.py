@@ -21,10 +21,10 @@ import json
 import os
 import threading
 import time
+from typing import TYPE_CHECKING
 
-import requests
-from requests.adapters import HTTPAdapter
-from urllib3.util.retry import Retry
+if TYPE_CHECKING:  # requests is imported where it is used: `import trl_distill` does without it
+    import requests
 
 
 def excerpt(raw: bytes | str, limit: int = 160) -> str:
@@ -74,6 +74,10 @@ class JsonHttpClient:
 
     def _session(self) -> requests.Session:
         """This thread's Session (a new one in a forked child: the parent's sockets are the parent's)."""
+        import requests
+        from requests.adapters import HTTPAdapter
+        from urllib3.util.retry import Retry
+
         if self._pid != os.getpid():
             self._open()
         session = getattr(self._local, "session", None)
@@ -103,6 +107,8 @@ class JsonHttpClient:
             session.close()
 
     def _request(self, method: str, path: str, body, params: dict | None, stop: threading.Event | None):
+        import requests
+
         what, attempts = f"{self.what} {self.url}", self.retries + 1
         failure, answered = None, False
         for attempt in range(attempts):  # `stop` set before the first attempt: none is made

@@ -1,0 +1,146 @@
+"""The test session's shared ranks: one `torchrun` launch of 2 processes that runs, one after another, the 2-process
+jobs that `trl_distill.testing.launch` would each have launched on their own (`tests/scripts/rank_pool_worker.py`).
+
+A launch costs two interpreters importing torch, transformers, DeepSpeed and trl_distill (about 10 s each on this
+machine) and a gloo rendezvous before a few seconds of training; the pool pays that once. A job keeps what a launch
+gives a test: its exit status, both ranks' output, `RuntimeError` on a failure and `subprocess.TimeoutExpired` past
+its timeout. A job that fails (or hangs, or kills a rank) ends the pool, as torchrun ends the other ranks; the next
+job starts a new one, so a failure names its own test and hides no other. Tests that kill or freeze a rank on purpose
+launch on their own (``launch(..., own_launch=True)``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from trl_distill.runtime.distributed import free_port
+from trl_distill.testing import kill_tree
+
+WORKER = Path(__file__).parent / "scripts" / "rank_pool_worker.py"
+POLL_S = 0.02
+START_TIMEOUT_S = 300
+GRACE_S = 10  # after one rank failed, how long the other may take to finish on its own before it is stopped
+
+
+class RankPool:
+    """`nproc` ranks started on the first job and kept for the next ones; `close` stops them."""
+
+    def __init__(self, nproc: int = 2):
+        self.nproc, self.proc, self.dir, self.next_job = nproc, None, None, 0
+        self.launches = 0  # how many times ranks were started: one, unless a job failed
+
+    def accepts(self, nproc: int, launcher: str, launcher_args: tuple[str, ...]) -> bool:
+        return nproc == self.nproc and launcher == "torchrun" and launcher_args in ((), ("-m",))
+
+    def _start(self, env: dict[str, str]) -> None:
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)  # the stopped ranks' jobs: their tests have read them
+        self.dir = Path(tempfile.mkdtemp(prefix="rank_pool_"))
+        (self.dir / "launch_env.json").write_text(json.dumps(env))
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={self.nproc}",
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(WORKER), str(self.dir)]
+        self.log = open(self.dir / "pool.log", "w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.launches, self.next_job = self.launches + 1, 0
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not all((self.dir / f"ready.rank{r}").exists() for r in range(self.nproc)):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                log = (self.dir / "pool.log").read_text()[-8000:]
+                self.close()
+                raise RuntimeError(f"the shared ranks did not start:\n{log}")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        """Stop the ranks (a job in flight too)."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                (self.dir / "stop").touch()
+                try:
+                    self.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    kill_tree(self.proc.pid)
+                    self.proc.wait()
+            self.log.close()
+        self.proc = None
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+    def _kill(self) -> None:
+        if self.proc is not None:
+            kill_tree(self.proc.pid)
+            self.proc.wait()
+            self.log.close()
+        self.proc = None
+
+    def _outputs(self, n: int) -> str:
+        parts = []
+        for rank in range(self.nproc):
+            path = self.dir / f"job-{n}.rank{rank}.out"
+            parts.append(path.read_text(errors="replace") if path.exists() else "")
+        return "".join(parts)
+
+    def _done(self, n: int) -> dict[int, dict]:
+        done = {}
+        for rank in range(self.nproc):
+            path = self.dir / f"job-{n}.rank{rank}.json"
+            if path.exists():
+                done[rank] = json.loads(path.read_text())
+        return done
+
+    def _dump_stacks(self) -> None:
+        """Ask each rank for its threads' stacks (into the job's output), before it is stopped."""
+        for rank in range(self.nproc):
+            try:
+                os.kill(int((self.dir / f"ready.rank{rank}").read_text()), signal.SIGUSR1)
+            except (OSError, ValueError):
+                pass
+        time.sleep(1)
+
+    def run(self, cmd: list[str], target: str, args: list[str], module: bool, env: dict[str, str],
+            cwd: str | os.PathLike | None, timeout: float) -> subprocess.CompletedProcess:
+        """Run one job on every rank; what `launch` returns for it."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._kill()
+            self._start(dict(os.environ))
+        n = self.next_job
+        self.next_job += 1
+        job = {"target": target, "args": list(args), "module": module, "env": env,
+               "cwd": str(cwd or os.getcwd())}
+        tmp = self.dir / f"job-{n}.tmp"
+        tmp.write_text(json.dumps(job))
+        tmp.rename(self.dir / f"job-{n}.json")
+        deadline, failed_at = time.monotonic() + timeout, None
+        while True:
+            done = self._done(n)
+            if len(done) == self.nproc:
+                break
+            failed = [d for d in done.values() if d["returncode"] != 0]
+            if failed and failed_at is None:
+                failed_at = time.monotonic()
+            alive = self.proc.poll() is None
+            if not alive or (failed_at is not None and time.monotonic() - failed_at > GRACE_S):
+                self._kill()  # a rank died, or one failed and the others did not follow: as torchrun ends them
+                break
+            if time.monotonic() > deadline:
+                self._dump_stacks()
+                self._kill()
+                raise subprocess.TimeoutExpired(cmd, timeout, output=self._outputs(n))
+            time.sleep(POLL_S)
+        out = self._outputs(n)
+        codes = [done.get(rank, {}).get("returncode", -signal.SIGKILL) for rank in range(self.nproc)]
+        returncode = next((code for code in codes if code != 0), 0)
+        if returncode != 0 or not all(d.get("fit", True) for d in done.values()):
+            self._kill()  # a failed job may leave a rank unfit for the next: start new ones then
+        if returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed with exit code {returncode} (shared ranks, job {n}):\n"
+                               f"{out[-8000:]}")
+        return subprocess.CompletedProcess(cmd, 0, out, "")
