@@ -19,13 +19,15 @@ setup: $(BIN)/python
 quickstart: setup
 	$(BIN)/python examples/quickstart.py
 
-# The whole suite, the tests against a real vLLM server included (its own venv, built once by vllm-env)
+# The whole suite, the tests against a real vLLM server included (its own venv, built once by vllm-env), on 2 pytest-xdist
+# workers: the multi-process tests in two groups (with a vLLM server, without), each on one worker and its shared ranks
+# (tests/rank_pool.py); the one-process tests fill both. Ends with the 15 slowest tests and the total.
 test: setup vllm-env
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadgroup --durations=15
 
-# The edit loop: everything but the multi-process tests (about 10 minutes on 2 cores). `make test` is what CI runs.
+# The edit loop: everything but the multi-process tests, on 2 workers. `make test` is what CI runs.
 test-fast: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not distributed"
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 -m "not distributed" --durations=15
 
 # Peak memory and time of the chunked loss vs naive full logits (about 13 minutes on 2 cores)
 bench-loss: setup

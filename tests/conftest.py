@@ -110,15 +110,22 @@ MULTI_PROCESS_FIXTURES = {"zero2_zero3_runs", "lora_runs", "bf16_and_fp32_runs",
                           "served", "rollout_server"}
 
 
+# Fixtures that start a vLLM server
+SERVER_FIXTURES = {"served", "rollout_server", "expendable_server"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
     """`make test-fast` runs ``-m "not distributed"``: keep every multi-process test out of it. Under pytest-xdist
-    (``make test``: ``-n 2 --dist loadgroup``) every multi-process test runs on one worker, in order, sharing that
-    worker's shared ranks and vLLM servers, while the other worker runs the one-process tests."""
+    (``make test``: ``-n 2 --dist loadgroup``) the multi-process tests run in two groups, each on one worker and in
+    order: those with a vLLM server (the session's servers start once, on that worker) and the others (on the other
+    worker); each worker has its own shared ranks. The one-process tests fill both workers."""
     for item in items:
-        if MULTI_PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if MULTI_PROCESS_FIXTURES & fixtures:
             item.add_marker(pytest.mark.distributed)
         if item.get_closest_marker("distributed"):
-            item.add_marker(pytest.mark.xdist_group("distributed"))
+            item.add_marker(pytest.mark.xdist_group("vllm" if SERVER_FIXTURES & fixtures else "distributed"))
 
 
 @pytest.fixture(scope="session")

@@ -4,9 +4,10 @@ jobs that `trl_distill.testing.launch` would each have launched on their own (`t
 A launch costs two interpreters importing torch, transformers, DeepSpeed and trl_distill (about 10 s each on this
 machine) and a gloo rendezvous before a few seconds of training; the pool pays that once. A job keeps what a launch
 gives a test: its exit status, both ranks' output, `RuntimeError` on a failure and `subprocess.TimeoutExpired` past
-its timeout. A job that fails (or hangs, or kills a rank) ends the pool, as torchrun ends the other ranks; the next
-job starts a new one, so a failure names its own test and hides no other. Tests that kill or freeze a rank on purpose
-launch on their own (``launch(..., own_launch=True)``).
+its timeout. A job that hangs or kills a rank ends the pool, as torchrun ends the other ranks; so does a failed job
+after which the process group no longer carries a barrier and an all-reduce, and a job that changed a library's state
+that the ranks cannot put back. The next job then starts new ranks: a failure names its own test and hides no other.
+Tests that kill or freeze a rank on purpose launch on their own (``launch(..., own_launch=True)``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ WORKER = Path(__file__).parent / "scripts" / "rank_pool_worker.py"
 POLL_S = 0.02
 START_TIMEOUT_S = 300
 GRACE_S = 10  # after one rank failed, how long the other may take to finish on its own before it is stopped
+CHECK_TIMEOUT_S = 30
 
 
 class RankPool:
@@ -36,6 +38,7 @@ class RankPool:
     def __init__(self, nproc: int = 2):
         self.nproc, self.proc, self.dir, self.next_job = nproc, None, None, 0
         self.launches = 0  # how many times ranks were started: one, unless a job failed
+        self.jobs, self.restarts = 0, []  # jobs run; why ranks were stopped before the end (job, reason)
 
     def accepts(self, nproc: int, launcher: str, launcher_args: tuple[str, ...]) -> bool:
         return nproc == self.nproc and launcher == "torchrun" and launcher_args in ((), ("-m",))
@@ -59,7 +62,10 @@ class RankPool:
             time.sleep(0.1)
 
     def close(self) -> None:
-        """Stop the ranks (a job in flight too)."""
+        """Stop the ranks (a job in flight too). With RANK_POOL_LOG set, append what they ran to that file."""
+        if os.environ.get("RANK_POOL_LOG"):
+            with open(os.environ["RANK_POOL_LOG"], "a") as log:
+                log.write(json.dumps({"jobs": self.jobs, "launches": self.launches, "restarts": self.restarts}) + "\n")
         if self.proc is not None:
             if self.proc.poll() is None:
                 (self.dir / "stop").touch()
@@ -105,41 +111,67 @@ class RankPool:
                 pass
         time.sleep(1)
 
+    def _submit(self, job: dict) -> int:
+        n = self.next_job
+        self.next_job += 1
+        tmp = self.dir / f"job-{n}.tmp"
+        tmp.write_text(json.dumps(job))
+        tmp.rename(self.dir / f"job-{n}.json")
+        return n
+
+    def _wait(self, n: int, timeout: float, cmd: list[str], what: str) -> dict[int, dict]:
+        """Every rank's report of job `n` (fewer when a rank died or was stopped: then the ranks are stopped)."""
+        deadline, failed_at = time.monotonic() + timeout, None
+        while True:
+            done = self._done(n)
+            if len(done) == self.nproc:
+                return done
+            if failed_at is None and any(d["returncode"] != 0 for d in done.values()):
+                failed_at = time.monotonic()
+            alive = self.proc.poll() is None
+            if not alive or (failed_at is not None and time.monotonic() - failed_at > GRACE_S):
+                self.restarts.append((what, "a rank died" if not alive else "a rank failed, another did not"))
+                self._kill()  # a rank died, or one failed and the others did not follow: as torchrun ends them
+                return done
+            if time.monotonic() > deadline:
+                self.restarts.append((what, "timed out"))
+                self._dump_stacks()
+                output = self._outputs(n)
+                self._kill()
+                raise subprocess.TimeoutExpired(cmd, timeout, output=output)
+            time.sleep(POLL_S)
+
+    def _group_answers(self) -> bool:
+        """After a failed job that every rank finished: whether the process group still carries a barrier and an
+        all-reduce (a rank may have left a collective half done). If not, the ranks are stopped."""
+        n = self._submit({"check": True})
+        try:
+            done = self._wait(n, CHECK_TIMEOUT_S, ["group check"], "group check")
+        except subprocess.TimeoutExpired:
+            return False
+        return len(done) == self.nproc and all(d["returncode"] == 0 for d in done.values())
+
     def run(self, cmd: list[str], target: str, args: list[str], module: bool, env: dict[str, str],
             cwd: str | os.PathLike | None, timeout: float) -> subprocess.CompletedProcess:
         """Run one job on every rank; what `launch` returns for it."""
         if self.proc is None or self.proc.poll() is not None:
             self._kill()
             self._start(dict(os.environ))
-        n = self.next_job
-        self.next_job += 1
-        job = {"target": target, "args": list(args), "module": module, "env": env,
-               "cwd": str(cwd or os.getcwd())}
-        tmp = self.dir / f"job-{n}.tmp"
-        tmp.write_text(json.dumps(job))
-        tmp.rename(self.dir / f"job-{n}.json")
-        deadline, failed_at = time.monotonic() + timeout, None
-        while True:
-            done = self._done(n)
-            if len(done) == self.nproc:
-                break
-            failed = [d for d in done.values() if d["returncode"] != 0]
-            if failed and failed_at is None:
-                failed_at = time.monotonic()
-            alive = self.proc.poll() is None
-            if not alive or (failed_at is not None and time.monotonic() - failed_at > GRACE_S):
-                self._kill()  # a rank died, or one failed and the others did not follow: as torchrun ends them
-                break
-            if time.monotonic() > deadline:
-                self._dump_stacks()
-                self._kill()
-                raise subprocess.TimeoutExpired(cmd, timeout, output=self._outputs(n))
-            time.sleep(POLL_S)
+        self.jobs += 1
+        n = self._submit({"target": target, "args": list(args), "module": module, "env": env,
+                          "cwd": str(cwd or os.getcwd())})
+        done = self._wait(n, timeout, cmd, target)
         out = self._outputs(n)
-        codes = [done.get(rank, {}).get("returncode", -signal.SIGKILL) for rank in range(self.nproc)]
-        returncode = next((code for code in codes if code != 0), 0)
-        if returncode != 0 or not all(d.get("fit", True) for d in done.values()):
-            self._kill()  # a failed job may leave a rank unfit for the next: start new ones then
+        codes = [d["returncode"] for d in done.values()] + [-signal.SIGKILL] * (self.nproc - len(done))
+        returncode = next((code for code in codes if code != 0), 0)  # a rank's own status before a stopped one's
+        if self.proc is not None:
+            unfit = [line for line in out.splitlines() if line.startswith("rank_pool_worker:")]
+            if not all(d.get("fit", True) for d in done.values()):
+                self.restarts.append((target, "unfit: " + " ".join(unfit)[:300]))
+                self._kill()  # a job that changed what cannot be put back: new ranks for the next
+            elif returncode != 0 and not self._group_answers():
+                self.restarts.append((target, f"exit {returncode}, then the group did not answer"))
+                self._kill()
         if returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed with exit code {returncode} (shared ranks, job {n}):\n"
                                f"{out[-8000:]}")

@@ -14,11 +14,14 @@ is not put back here (`WATCHED_MODULES`), and a failed job, leave the ranks unfi
 """
 
 import atexit
+import datetime
 import faulthandler
 import gc
+import importlib
 import json
 import logging
 import os
+import pkgutil
 import runpy
 import signal
 import sys
@@ -48,9 +51,21 @@ OWN_MODULES = ("trl_distill",)
 # Libraries whose module globals a job may change in ways we do not put back (a registry, a process subgroup): a
 # job that changed one leaves this process unfit, and the pytest side starts new ranks for the next job
 WATCHED_MODULES = ("transformers", "accelerate", "deepspeed", "trl", "peft", "datasets")
-# Caches filled on first use, the same for every job
-SAME_FOR_EVERY_JOB = {"deepspeed.utils.groups._WORLD_GROUP",
-                      "transformers.conversion_mapping._checkpoint_conversion_mapping_cache"}
+# Caches filled on first use, the same for every job (datasets re-imports its builder modules)
+SAME_FOR_EVERY_JOB = ("deepspeed.utils.groups._WORLD_GROUP", "transformers.utils.hub._hf_api",
+                      "transformers.conversion_mapping._checkpoint_conversion_mapping_cache",
+                      "datasets.packaged_modules.")
+
+
+def watched(name: str) -> bool:
+    return any(name == library or name.startswith(library + ".") for library in WATCHED_MODULES)
+
+
+def import_every_module_of_ours() -> None:
+    """Every trl_distill module, imported before the snapshot: a job's change to one imported later would stay."""
+    for info in pkgutil.walk_packages(trl_distill.__path__, "trl_distill."):
+        if not info.name.endswith("__main__"):
+            importlib.import_module(info.name)
 
 
 def snapshot_modules() -> dict:
@@ -85,12 +100,13 @@ def restore_modules(saved: dict) -> None:
 
 def watched_globals() -> dict:
     """``{(module name, attribute): id}`` of the watched libraries' module globals, and the attention registry's
-    entries (accelerate's sequence parallelism registers its own)."""
+    entries. A sequence-parallel run registers accelerate's Ulysses attention over sdpa: putting the registry back was
+    not enough (the next data-parallel run in the same ranks logged other losses), so such a run ends its ranks."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     seen = {}
     for name, module in list(sys.modules.items()):
-        if module is not None and name.startswith(WATCHED_MODULES):
+        if module is not None and watched(name):
             for key, value in list(vars(module).items()):
                 if not isinstance(value, type(sys)):  # a submodule bound on first use is no change
                     seen[(name, key)] = id(value)
@@ -105,7 +121,7 @@ def changed_globals(before: dict) -> list[str]:
     """What a job changed of `watched_globals` (added names are lazy caches, except in the attention registry)."""
     after = watched_globals()
     changed = [f"{m}.{k}" for (m, k), v in before.items()
-               if after.get((m, k), v) != v and f"{m}.{k}" not in SAME_FOR_EVERY_JOB]
+               if after.get((m, k), v) != v and not f"{m}.{k}".startswith(SAME_FOR_EVERY_JOB)]
     return changed + [f"{m}[{k!r}] added" for (m, k) in after if m.startswith("ALL_ATTENTION") and (m, k) not in before]
 
 
@@ -129,6 +145,7 @@ class Process:
         # torchrun's own variables (RANK, MASTER_PORT, TORCHELASTIC_*...): kept under every job's environment
         self.launcher_env = {k: v for k, v in os.environ.items() if launch_env.get(k) != v}
         self.cwd, self.argv, self.path = os.getcwd(), list(sys.argv), list(sys.path)
+        import_every_module_of_ours()
         self.modules = snapshot_modules()
         self.globals = watched_globals()
         self.logs = log_levels()
@@ -139,6 +156,7 @@ class Process:
 
     def enter(self, job: dict) -> None:
         self.globals = watched_globals()
+        distributed._exit["failed"] = False  # (a failed job before this one noted it for the exit)
         os.environ.clear()
         os.environ.update({**job["env"], **self.launcher_env})
         os.chdir(job["cwd"])
@@ -198,6 +216,18 @@ class ExitHandlers:
                 traceback.print_exc()
 
 
+def group_answers() -> int:
+    """The pool's check after a failed job: a barrier (that names a missing rank) and an all-reduce, within 20 s."""
+    try:
+        torch.distributed.monitored_barrier(timeout=datetime.timedelta(seconds=20))
+        total = torch.ones(1)
+        torch.distributed.all_reduce(total)
+        return 0 if total.item() == torch.distributed.get_world_size() else 1
+    except Exception:
+        traceback.print_exc()
+        return 1
+
+
 def run_job(job: dict) -> int:
     """Run one job as its own process would; its exit status."""
     target = job["target"]
@@ -247,6 +277,12 @@ def keep_process_group(*args, **kwargs) -> None:
     """A job's `destroy_process_group` (a worker tidying up before its exit) leaves the pool's group up."""
 
 
+def report(pool: Path, n: int, rank: int, done: dict) -> None:
+    tmp = pool / f"job-{n}.rank{rank}.tmp"
+    tmp.write_text(json.dumps(done))
+    tmp.rename(pool / f"job-{n}.rank{rank}.json")
+
+
 def main() -> None:
     pool = Path(sys.argv[1])
     rank = int(os.environ["RANK"])
@@ -265,6 +301,10 @@ def main() -> None:
             time.sleep(POLL_S)
         job = json.loads(job_file.read_text())
         start = time.monotonic()
+        if job.get("check"):
+            report(pool, n, rank, {"returncode": group_answers(), "fit": True, "seconds": time.monotonic() - start})
+            n += 1
+            continue
         process.enter(job)
         with Output(pool / f"job-{n}.rank{rank}.out"):
             status = run_job(job)
@@ -273,10 +313,7 @@ def main() -> None:
             except Exception:  # this process may not be fit for the next job: the pytest side starts new ranks
                 traceback.print_exc()
                 fit = False
-        done = {"returncode": status, "fit": fit, "seconds": time.monotonic() - start}
-        tmp = pool / f"job-{n}.rank{rank}.tmp"
-        tmp.write_text(json.dumps(done))
-        tmp.rename(pool / f"job-{n}.rank{rank}.json")
+        report(pool, n, rank, {"returncode": status, "fit": fit, "seconds": time.monotonic() - start})
         n += 1
 
 

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..compat import prepare_inputs
 from ..loss.rollout_correction import RolloutCorrection
-from .engine_rollouts import EngineRollouts
+
+if TYPE_CHECKING:  # the rollout server's client and weight sync: imported by a run that uses one
+    from .engine_rollouts import EngineRollouts
 
 ROLLOUT = "rollout_logprobs"  # a batch key: the engine's log-probs of its sampled tokens (an `EngineLogprobs`)
 
@@ -160,7 +163,11 @@ class CompletionSampler:
         self.trainer = trainer
         self.stats = dict.fromkeys(("micro_steps", "on_policy", "rows", "tokens", "ended", "ngrams", "repeated"), 0)
         self.on_policy = False  # whether the current micro-batch's completions are the student's own samples
-        self.engine = EngineRollouts(trainer) if trainer.args.use_vllm else None  # the rollout server
+        self.engine = None
+        if trainer.args.use_vllm:  # the rollout server
+            from .engine_rollouts import EngineRollouts
+
+            self.engine = EngineRollouts(trainer)
         self.teacher_engine = None  # a served teacher's server, sampling for seq_kd
         self.since = time.perf_counter()  # the start of the span the next log covers
 
@@ -222,6 +229,8 @@ class CompletionSampler:
             return self.engine
         server = self.trainer.teacher.sampling_server()  # seq_kd from a served teacher: its own server
         if server is not None and self.teacher_engine is None:
+            from .engine_rollouts import EngineRollouts
+
             self.teacher_engine = EngineRollouts(self.trainer, server, syncs=False, salt=7919)
         return self.teacher_engine if server is not None else None
 
