@@ -48,6 +48,7 @@ class RankPool:
             shutil.rmtree(self.dir, ignore_errors=True)  # the stopped ranks' jobs: their tests have read them
         self.dir = Path(tempfile.mkdtemp(prefix="rank_pool_"))
         (self.dir / "launch_env.json").write_text(json.dumps(env))
+        (self.dir / "owner").write_text(str(os.getpid()))  # the ranks leave when this process is gone
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={self.nproc}",
                "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(WORKER), str(self.dir)]
         self.log = open(self.dir / "pool.log", "w")

@@ -119,5 +119,5 @@ def test_accelerate_guide_configs_verbatim(tiny_pair, tmp_path):
 def test_examples_distill_script(tiny_pair, tmp_path):
     out = tmp_path / "out"
     launch(ROOT / "examples/distill.py", "--teacher", tiny_pair["teacher"], "--student", tiny_pair["student"],
-           "--output_dir", str(out), "--max_steps", "2", timeout=400, own_launch=True)
+           "--output_dir", str(out), "--max_steps", "2", timeout=400)
     assert moved(load_file(str(out / "model.safetensors")), tiny_pair["student"])

@@ -277,6 +277,16 @@ def keep_process_group(*args, **kwargs) -> None:
     """A job's `destroy_process_group` (a worker tidying up before its exit) leaves the pool's group up."""
 
 
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def report(pool: Path, n: int, rank: int, done: dict) -> None:
     tmp = pool / f"job-{n}.rank{rank}.tmp"
     tmp.write_text(json.dumps(done))
@@ -290,15 +300,18 @@ def main() -> None:
     # The process group every job of this pool shares, as PartialState(backend="gloo") starts it for DeepSpeed on CPU
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     process = Process(json.loads((pool / "launch_env.json").read_text()))
+    owner = int((pool / "owner").read_text())
     torch.distributed.destroy_process_group = keep_process_group
     (pool / f"ready.rank{rank}").write_text(str(os.getpid()))
     n = 0
     while True:
         job_file = pool / f"job-{n}.json"
+        waited = 0
         while not job_file.exists():
-            if (pool / "stop").exists():
-                return
+            if (pool / "stop").exists() or (waited % 50 == 0 and not alive(owner)):
+                return  # stopped, or the pytest process that owns these ranks is gone (killed, or interrupted twice)
             time.sleep(POLL_S)
+            waited += 1
         job = json.loads(job_file.read_text())
         start = time.monotonic()
         if job.get("check"):
