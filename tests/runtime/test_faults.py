@@ -177,7 +177,9 @@ def test_ctrl_c_on_one_rank_stops_both_at_once(tiny_pair, data, tmp_path):
     finally:
         stop_ranks(ranks)
     interrupted = json.loads(record.read_text())["time"]
-    assert ranks[1].ended - interrupted < 10 and ranks[0].ended - interrupted < 15
+    # Well under the 30 s exit barrier it skips. Not 10 s: under `make test`'s 2 xdist workers both cores are busy,
+    # and rank 1 took 12.3 s once (a fresh clone, 398e9f1); with the barrier it would take 30 s or more
+    assert ranks[1].ended - interrupted < 20 and ranks[0].ended - interrupted < 25
     assert line_of(ranks[1], "trl-distill: interrupted (Ctrl-C): stopped; the last complete checkpoint is kept")
     assert "Rank 0 lost its connection to rank 1 (" in line_of(ranks[0])
     assert checkpoints(out)["checkpoint-1"]
