@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup quickstart test test-fast lint bench-loss bench gpu-wheels bench-cache bench-cross bench-metrics bench-on-policy bench-long experiment-on-policy vllm-env clean
+.PHONY: setup quickstart test test-fast bench-import lint bench-loss bench gpu-wheels bench-cache bench-cross bench-metrics bench-on-policy bench-long experiment-on-policy vllm-env clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -90,6 +90,11 @@ $(VLLM_PLUGIN_STAMP): $(VLLM_STAMP) vllm_plugin/pyproject.toml $(wildcard vllm_p
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps --no-build-isolation --force-reinstall ./vllm_plugin
 	rm -rf vllm_plugin/build vllm_plugin/*.egg-info
 	touch $@
+
+# What `import trl_distill` costs against `from trl import SFTConfig` (medians of 5, goal <= 1.1x; about a minute):
+# writes benchmarks/results/import_time.{json,md}
+bench-import: setup
+	cd benchmarks && ../$(BIN)/python import_time.py
 
 lint: setup
 	$(BIN)/ruff check trl_distill tests examples
