@@ -37,6 +37,7 @@ import peft  # noqa: F401
 import requests  # noqa: F401
 import torch
 import torch.distributed
+import transformers
 import transformers.integrations.deepspeed as hf_deepspeed
 import trl  # noqa: F401
 from accelerate.state import AcceleratorState
@@ -149,7 +150,7 @@ class Process:
         self.modules = snapshot_modules()
         self.globals = watched_globals()
         self.logs = log_levels()
-        self.transformers_verbosity = trl_distill_transformers_verbosity()
+        self.transformers_verbosity = transformers.logging.get_verbosity()
         self.warnings = list(warnings.filters)
         self.dtype = torch.get_default_dtype()
         self.seed = torch.initial_seed()
@@ -169,8 +170,6 @@ class Process:
         hf_deepspeed.unset_hf_deepspeed_config()
         restore_modules(self.modules)
         restore_log_levels(self.logs)
-        import transformers
-
         transformers.logging.set_verbosity(self.transformers_verbosity)
         warnings.filters[:] = self.warnings
         torch.set_default_dtype(self.dtype)
@@ -182,12 +181,6 @@ class Process:
             print(f"rank_pool_worker: this job changed {', '.join(changed)}: new ranks for the next job",
                   file=sys.stderr)
         return not changed
-
-
-def trl_distill_transformers_verbosity() -> int:
-    import transformers
-
-    return transformers.logging.get_verbosity()
 
 
 class ExitHandlers:
