@@ -9,12 +9,13 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# The dev set-up is pinned (tested-versions.txt: what the suite runs on); pyproject.toml gives users ranges.
 # torch is installed first, pinned, so pip takes the CPU build (on this project's machines it lies on disk)
 # instead of a multi-GB CUDA build. Elsewhere: make TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_PIP_ARGS ?=
 setup: $(BIN)/python
 	$(BIN)/python -m pip install --quiet $(TORCH_PIP_ARGS) "torch==2.13.0"
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -e ".[dev]" -c tested-versions.txt
 
 quickstart: setup
 	$(BIN)/python examples/quickstart.py

@@ -107,11 +107,11 @@ def rollout_server(tmp_path_factory) -> dict:
 # Fixtures that launch several processes: a test using one is a multi-process test, marked or not
 MULTI_PROCESS_FIXTURES = {"zero2_zero3_runs", "lora_runs", "bf16_and_fp32_runs", "runs", "smoke", "step_runs",
                           "metrics_runs", "rollout_runs", "expendable_server",
-                          "served", "rollout_server"}
+                          "served", "rollout_server", "documented_server"}
 
 
 # Fixtures that start a vLLM server
-SERVER_FIXTURES = {"served", "rollout_server", "expendable_server"}
+SERVER_FIXTURES = {"served", "rollout_server", "expendable_server", "documented_server"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups

@@ -192,3 +192,32 @@ def test_sequence_parallelism_hidden_restores_the_state():
     with compat.sequence_parallelism_hidden(accelerator):
         assert state.parallelism_config is None
     assert state.parallelism_config == "sp"
+
+
+def test_another_version_than_the_checked_one_is_one_line_not_a_refusal(monkeypatch, caplog):
+    """pyproject.toml allows newer versions; compat says which version it was checked against, in one line."""
+    assert compat.note_other_versions() is None and compat.other_versions() == {}  # the suite runs on them
+    monkeypatch.setitem(compat.CHECKED_AGAINST, "torch", "2.99")
+    with caplog.at_level("WARNING", logger="trl_distill"):
+        line = compat.note_other_versions()
+    assert line == (f"trl_distill.compat was checked against torch 2.99; found torch {version('torch')}. The private "
+                    "APIs it wraps may have moved: tests/test_compat.py checks each one.")
+    assert [r.getMessage() for r in caplog.records] == [line]
+
+
+def test_every_pin_says_why_and_only_a_wrapped_library_is_capped():
+    """Lower bounds: what the suite runs on; an upper bound only for a library whose private API compat wraps."""
+    import re
+    from pathlib import Path
+
+    import tomllib
+
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    text = pyproject.read_text()
+    for requirement in tomllib.loads(text)["project"]["dependencies"]:
+        line = next(line for line in text.splitlines() if f'"{requirement}"' in line)
+        assert "#" in line, f"{requirement}: no comment saying why"
+        name = re.match(r"[A-Za-z0-9_.-]+", requirement).group(0)
+        assert ("<" in requirement) == (name in compat.CHECKED_AGAINST), requirement
+        if name in compat.CHECKED_AGAINST:
+            assert f">={compat.CHECKED_AGAINST[name]}" in requirement, requirement

@@ -55,6 +55,30 @@ def test_a_checkpoint_alone_is_enough_and_the_command_line_prints_where_it_wrote
         (tmp_path / "moved_run.json").rename(finished_run / "trl_distill_run.json")
 
 
+def test_a_state_file_cut_short_is_passed_over_for_the_newest_checkpoint_that_reads(finished_run, tmp_path, capsys):
+    """OUT/trainer_state.json and checkpoint-6's cut short, checkpoint-3's intact: the report is checkpoint-3's, and
+    says which files it passed over (docs/observability.md promises the fallback)."""
+    from trl_distill.cli import main
+
+    damaged = [finished_run / "trainer_state.json", finished_run / "checkpoint-6" / "trainer_state.json"]
+    whole = [path.read_bytes() for path in damaged]
+    try:
+        for path, content in zip(damaged, whole, strict=True):
+            path.write_bytes(content[: len(content) // 2])
+        main(["report", str(finished_run), "--into", str(tmp_path)])
+        printed = capsys.readouterr().out.splitlines()
+        assert printed == [f"{path} cannot be read (cut short?): passed over for an older trainer_state.json"
+                           for path in damaged] + [f"Report written: {tmp_path / 'report.png'} and "
+                                                   f"{tmp_path / 'report.md'}"]
+        summary = (tmp_path / "report.md").read_text()
+        assert f"- read from: `{finished_run / 'checkpoint-3' / 'trainer_state.json'}`" in summary
+        assert "steps: 3 of 6" in summary and all(f"- passed over (unreadable): `{p}`" in summary for p in damaged)
+        assert check_summary(tmp_path / "report.md", finished_run / "checkpoint-3" / "trainer_state.json") >= 5
+    finally:
+        for path, content in zip(damaged, whole, strict=True):
+            path.write_bytes(content)
+
+
 def test_a_directory_with_nothing_to_report_is_one_line(tmp_path, capsys):
     from trl_distill.cli import main
 

@@ -1,6 +1,7 @@
 """Every private API of torch, transformers, TRL, accelerate and DeepSpeed that trl_distill relies on, in one place.
 
-Each is checked against the versions pinned in pyproject.toml (`CHECKED_AGAINST`); `tests/test_compat.py` runs
+Each is checked against the versions of `CHECKED_AGAINST` (what the suite runs on: tested-versions.txt); another
+version in pyproject.toml's ranges is said at import, in one line; `tests/test_compat.py` runs
 each function and checks each hook we override still exists, so an upgrade that moves one fails there, not as a
 silently wrong run. Modules call these functions instead of reaching into the libraries themselves.
 """
@@ -12,6 +13,39 @@ import contextlib
 import torch
 
 CHECKED_AGAINST = {"torch": "2.13", "transformers": "5.24", "trl": "1.16", "accelerate": "1.15", "deepspeed": "0.19.8"}
+
+
+def other_versions() -> dict[str, str]:
+    """The libraries of `CHECKED_AGAINST` installed at another version than the one checked: ``{name: found}``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name, checked in CHECKED_AGAINST.items():
+        try:
+            installed = version(name)
+        except PackageNotFoundError:
+            continue
+        if installed.split("+")[0] != checked and not installed.startswith(checked + "."):
+            found[name] = installed
+    return found
+
+
+def note_other_versions() -> str | None:
+    """At import, one warning line when a library is installed at another version than the one its private APIs
+    were checked against (pyproject.toml allows it: the run may work; this says where to look if it does not)."""
+    found = other_versions()
+    if not found:
+        return None
+    line = ("trl_distill.compat was checked against " + ", ".join(f"{n} {CHECKED_AGAINST[n]}" for n in found)
+            + "; found " + ", ".join(f"{n} {v}" for n, v in found.items()) + ". The private APIs it wraps may "
+            "have moved: tests/test_compat.py checks each one.")
+    import logging
+
+    logging.getLogger("trl_distill").warning(line)
+    return line
+
+
+note_other_versions()
 
 # Private methods we override (a rename upstream would leave our override unused, silently)
 OVERRIDDEN_HOOKS = {

@@ -299,6 +299,14 @@ class DistillationConfig(SFTConfig, EngineRolloutFields, GuardFields, SequencePa
         settle_precision(self)
         super().__post_init__()
 
+    def to_dict(self) -> dict:
+        """`TrainingArguments.to_dict`, several teachers as plain dicts: `to_json_string`, which TensorBoard's and
+        W&B's callbacks call as training starts, needs every value JSON-serialisable."""
+        values = super().to_dict()
+        if self.teachers:
+            values["teachers"] = [e.as_dict() if hasattr(e, "as_dict") else e for e in self.teachers]
+        return values
+
     @cached_property
     def _setup_devices(self):
         """Where transformers sets up the process (`TrainingArguments._setup_devices`, a private hook checked against

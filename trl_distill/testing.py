@@ -299,9 +299,6 @@ def vllm_server(model_dir: str | os.PathLike, name: str = "teacher", timeout: fl
     `rollout`: serve it as ``trl-distill vllm-serve`` does (weight-transfer routes, our gloo engine: a student).
     Raises `RuntimeError` with the log's tail if the server dies or is not healthy within `timeout` seconds.
     """
-    import time
-    import urllib.request
-
     port = free_port()
     log_path = Path(tempfile.mkdtemp(prefix="vllm_")) / "server.log"
     cmd = [str(Path(venv) / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
@@ -310,8 +307,8 @@ def vllm_server(model_dir: str | os.PathLike, name: str = "teacher", timeout: fl
     if rollout:
         from .rollout.engine_server import serve_command
 
-        cmd, env = serve_command(str(model_dir), port=port, host="127.0.0.1", served_model_name=name, dtype="float32",
-                                 max_logprobs=max_logprobs, python=Path(venv) / "bin" / "python")
+        cmd, env, _ = serve_command(str(model_dir), port=port, host="127.0.0.1", served_model_name=name,
+                                    dtype="float32", max_logprobs=max_logprobs, python=Path(venv) / "bin" / "python")
     # Eager (no inductor compilation at start: 20 s of a 60 s start on 2 cores), the engine in the server's process
     # (no second process importing vLLM: 10 s more)
     cmd += ["--enforce-eager"]
@@ -320,9 +317,19 @@ def vllm_server(model_dir: str | os.PathLike, name: str = "teacher", timeout: fl
         cmd += ["--max-model-len", str(max_model_len)]
         env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     env.pop("VIRTUAL_ENV", None)
+    with serving(cmd, env, f"http://127.0.0.1:{port}", log_path, timeout) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serving(cmd: list[str], env: dict[str, str], url: str, log_path: Path, timeout: float = 300):
+    """Run the server command `cmd` (its output into `log_path`) until it answers ``url/health``; yields `url`, then
+    stops it and its children. Raises `RuntimeError` with the log's tail if it dies or is not healthy in time."""
+    import time
+    import urllib.request
+
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
         while True:

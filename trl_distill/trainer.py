@@ -4,6 +4,7 @@ a student trained with any ZeRO stage (or without DeepSpeed)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from functools import partial
 
@@ -21,11 +22,14 @@ from .model.logit_check import settle_logit_paths_by_inputs
 from .rollout.on_policy import CompletionSampler, check_sampling_prompts, refuse_zero3_student_sampling
 from .runtime import sequence_parallel, validation
 from .runtime.checkpoints import resume_point, run_record, save_complete_checkpoint, student_identity
+from .runtime.log_setup import setup_logging
 from .runtime.metrics import DistillMetrics, TrainingBounds
 from .runtime.run_lock import refuse_if_locked, take_run_lock
 from .runtime.validation import check_dataset_not_empty, check_output_dir, run_inputs, shared_vocab_size
 from .teacher import TeacherBatch, resolve_teacher
 from .teacher.live import STUDENT
+
+logger = logging.getLogger(__name__)
 
 
 class DistillationTrainer(SFTTrainer):
@@ -71,6 +75,7 @@ class DistillationTrainer(SFTTrainer):
         formatting_func=None,
     ):
         args = DistillationConfig(output_dir="distilled-model") if args is None else as_distillation_config(args)
+        setup_logging(args)  # rank 0 says what it does (log_level), the others stay quiet (log_level_replica)
         check_output_dir(args.output_dir, run_inputs(args, model, teacher_model, (train_dataset, eval_dataset)))
         refuse_if_locked(args)  # another live run holds output_dir: one line on every rank before anything loads
         check_dataset_not_empty(train_dataset, "train", "given")
@@ -267,7 +272,7 @@ class DistillationTrainer(SFTTrainer):
         self.logit_paths = settle_logit_paths_by_inputs(candidates, self.accelerator, self.args.bf16 or self.args.fp16)
         if self.accelerator.is_main_process:
             for path in self.logit_paths:
-                print(path.describe(self.vocab_size, int(mask.shape[0] * mask.shape[1])), flush=True)
+                logger.info(path.describe(self.vocab_size, int(mask.shape[0] * mask.shape[1])))
 
     def _fused_loss(self, student: LossFeatures, *, teacher: TeacherBatch, target, mask, num_items_in_batch,
                     correction=None):

@@ -2,6 +2,8 @@
 first batch, a model whose head the fused path does not rebuild takes the exact path, and the logged `kd_loss` /
 `ce_loss` equal values computed from `model(...).logits` either way."""
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -76,7 +78,7 @@ def reference(student, teacher, batch, loss_type: str, temperature: float) -> tu
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_logged_losses_equal_the_models_own_logits(name, tokenizer, tmp_path, capsys):
+def test_logged_losses_equal_the_models_own_logits(name, tokenizer, tmp_path, caplog):
     expected_path = ARCHITECTURES[name][2]
     teacher, student = build(tokenizer, name, 0), build(tokenizer, name, 1)
     data = synthetic_prompt_completion(6, seed=3)
@@ -86,14 +88,15 @@ def test_logged_losses_equal_the_models_own_logits(name, tokenizer, tmp_path, ca
     trainer = DistillationTrainer(student, teacher, args=args, train_dataset=data, processing_class=tokenizer)
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(data))])  # step 1 sees every row
     kd, ce = reference(student, teacher, batch, loss_type, 2.0)
-    trainer.train()
+    with caplog.at_level(logging.INFO, logger="trl_distill"):
+        trainer.train()
     logged = trainer.state.log_history[0]
     assert logged["kd_loss"] == pytest.approx(kd, rel=1e-4) and logged["ce_loss"] == pytest.approx(ce, rel=1e-4)
     paths = {p.name: p for p in trainer.logit_paths}
     assert {n: "exact" if p.exact else "fused" for n, p in paths.items()} == {"student": expected_path,
                                                                               "teacher": expected_path}
-    printed = capsys.readouterr().out
-    assert printed.count(f"logits: {expected_path}") == 2, printed
+    said = caplog.text  # rank 0's start-up lines, through the `trl_distill` logger
+    assert said.count(f"logits: {expected_path}") == 2, said
     if expected_path == "fused":
         assert paths["teacher"].max_error <= paths["teacher"].tolerance
 

@@ -1,7 +1,7 @@
 """The guards on injected faults: a student driven to NaN stops before its step is applied (the last complete
 checkpoint kept, nothing written after it); a degenerate sampler stops an on-policy run after `collapse_patience`
-logging steps, with its numbers; a teacher worse than the untrained student is one warning at the first step. And
-none of them fires on a healthy run."""
+logging steps, with its numbers; a teacher worse on the dataset's rows than the student before training is one
+warning at the first step. And none of them fires on a healthy run."""
 
 import logging
 
@@ -111,8 +111,13 @@ def test_a_teacher_worse_than_the_untrained_student_is_one_warning_at_the_first_
                          teacher_model_name_or_path=str(tmp_path / "peaked")).train()
         make_trainer(tiny_pair, tmp_path / "c", save_strategy="no", max_steps=2, alpha=0.0,
                      teacher_model_name_or_path=str(tmp_path / "peaked")).train()  # CE only: the teacher is unused
+        on_policy_run = make_trainer(tiny_pair, tmp_path / "d", save_strategy="no", max_steps=1, lmbda=1.0,
+                                     max_new_tokens=8, teacher_model_name_or_path=str(tmp_path / "peaked"))
+        on_policy_run.train()  # every row the student's own sample: nothing of the dataset to judge the teacher on
+    assert logged(on_policy_run.state.log_history, "on_policy_teacher_logprob")[1] < 0  # the teacher did rate them
     warned = [r.getMessage() for r in caplog.records if "at the first step" in r.getMessage()]
-    assert len(warned) == 1, warned  # the second run's margin (100 nats) lets it pass, the third trains no KD
+    assert len(warned) == 1, warned  # the second run's margin (100 nats) lets it pass, the third trains no KD, the
+    # fourth trains on the student's samples only (the check judges a teacher on the dataset's rows)
     ce = [float(x.rstrip(",:")) for x in warned[0].split() if x.rstrip(",:").replace(".", "").isdigit()][:2]
     assert ce[0] > ce[1] + 0.5, warned  # the teacher's CE, then the student's
     assert warned[0].endswith("A wrong teacher, or data it was not trained for? (teacher_ce_margin=0)")

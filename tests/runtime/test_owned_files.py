@@ -446,3 +446,24 @@ def test_merge_never_says_saved_when_nothing_was(adapter, tmp_path, capsys, monk
         f"trl-distill merge: error: The merged model was not saved to {str(tmp_path / 'm')!r}: config.json, "
         "model.safetensors missing after saving. Check that the directory is writable and has space, then run the "
         "merge again."]
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("cut", "--adapter: {weights} is truncated"),
+    ("config", "--adapter: {config} is not a readable adapter config"),
+    ("gone", "--adapter: {adapter!r} holds adapter_config.json but no adapter weights"),
+])
+def test_merge_of_a_damaged_adapter_is_one_line_and_writes_nothing(adapter, tmp_path, capsys, damage, message):
+    """An adapter copied short (its safetensors or its config) or without weights: one line naming the file, before
+    the base loads; --output is not created."""
+    weights, config = adapter / "adapter_model.safetensors", adapter / "adapter_config.json"
+    if damage == "cut":
+        weights.write_bytes(weights.read_bytes()[:-40])
+    elif damage == "config":
+        config.write_text(config.read_text()[:30])
+    else:
+        weights.unlink()
+    line = one_line(capsys, ["merge", "--adapter", str(adapter), "--output", str(tmp_path / "m")],
+                    prog="trl-distill merge")
+    assert message.format(weights=weights, config=config, adapter=str(adapter)) in line, line
+    assert "Traceback" not in line and not (tmp_path / "m").exists()

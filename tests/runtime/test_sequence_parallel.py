@@ -107,12 +107,13 @@ def test_sp2_from_a_teacher_cache_with_a_lora_student_trains_as_without(long_pai
 
 
 @pytest.mark.distributed
-def test_sp2_from_a_served_teacher_trains_as_without(served, tmp_path):
-    """A real vLLM server of the teacher answers for whole rows (64 tokens: its context is 128); each rank keeps its
-    positions' part of the top-64."""
+def test_sp2_from_a_served_teacher_on_rows_of_odd_length_trains_as_without(served, tmp_path):
+    """A real vLLM server of the teacher answers for whole rows of 63 tokens (its context is 128), which do not split
+    over 2 ranks: each batch is padded to 64 (DeepSpeed refused 63 before), the pad learns nothing, and each rank
+    keeps its positions' part of the top-64: the run computes what the data-parallel one on the unpadded rows does."""
     pair, env = Path(served["teacher"]).parent, {"SP_WORKER_ARGS": '{"temperature": 1.0}'}
-    sp = run(pair, tmp_path / "sp", "sp", 2, served["url"], tokens=64, env=env)
-    dp = run(pair, tmp_path / "dp", "dp", 1, served["url"], tokens=64, env=env)
+    sp = run(pair, tmp_path / "sp", "sp", 2, served["url"], tokens=63, env=env)
+    dp = run(pair, tmp_path / "dp", "dp", 1, served["url"], tokens=63, env=env)
     assert_same_run(sp, dp)
     assert sp[0]["seen"] == [[32, 64]]
 
@@ -217,5 +218,9 @@ def test_the_position_ids_collator_adds_positions_and_pickles():
     batch = wrapped([{}, {}])
     assert batch["position_ids"].tolist() == [[0, 1, 2], [0, 1, 2]]
     assert wrapped.padding_free is False
+    collate.pad_token_id = 7
+    padded = PositionIdsCollator(collate, multiple=4)([{}, {}])  # width 3 over a sequence-parallel size of 4
+    assert padded["input_ids"].tolist() == [[1, 1, 1, 7]] * 2 and padded["labels"].tolist() == [[1, 1, 1, -100]] * 2
+    assert padded["position_ids"].tolist() == [[0, 1, 2, 3]] * 2
     copy = pickle.loads(pickle.dumps(PositionIdsCollator(dict)))  # a DataLoader worker gets a pickled collator
     assert copy.collator is dict

@@ -13,7 +13,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--into", default=None, help="where to write report.png and report.md (default: output_dir)")
     args = parser.parse_args(argv)
     with errors_as_messages():
-        from ..report import write_report
+        from ..report import load_history, write_report
 
+        for path in load_history(args.output_dir).passed_over:
+            print(f"{path} cannot be read (cut short?): passed over for an older trainer_state.json")
         picture, text = write_report(args.output_dir, args.into)
     print(f"Report written: {picture} and {text}")

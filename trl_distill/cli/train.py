@@ -36,8 +36,8 @@ def validate(script_args, training_args, model_args) -> None:
     from ..data.prepare import named_datasets
 
     named = named_datasets(script_args.dataset_name) if training_args.teachers else None
-    inputs = {f"the dataset {k} (--dataset_name)": path for k, path in named.items()} if named else {
-        "the dataset (--dataset_name)": script_args.dataset_name}
+    inputs = {f"the dataset {k} (--dataset_name)": path for k, paths in named.items() for path in paths} if named \
+        else {"the dataset (--dataset_name)": script_args.dataset_name}
     check_apart(training_args.output_dir, inputs)
 
 
@@ -53,8 +53,7 @@ def build_trainer(script_args, training_args, model_args):
     if named is None:
         train, evaluation = load_splits(script_args, training_args, script_args.dataset_name, "--dataset_name")
     else:  # several teachers, a dataset each: routed as a whole (each evaluated apart, eval_NAME_loss)
-        splits = {name: load_splits(script_args, training_args, path, f"--dataset_name {name}")
-                  for name, path in named.items()}
+        splits = {name: load_named(script_args, training_args, name, paths) for name, paths in named.items()}
         train = {name: split[0] for name, split in splits.items()}
         evaluation = None if training_args.eval_strategy == "no" else {
             name: split[1].add_column(training_args.teacher_column, [name] * len(split[1]))
@@ -72,6 +71,26 @@ def build_trainer(script_args, training_args, model_args):
         eval_dataset=evaluation,
         peft_config=get_peft_config(model_args),
     )
+
+
+def load_named(script_args, training_args, name: str, paths: list[str]):
+    """``(train, eval or None)`` of the teacher `name`'s datasets (``--dataset_name name=A,name=B``): all their rows, in
+    order, each dataset checked as `load_splits` checks one; datasets of different formats are one line naming
+    both."""
+    from datasets import concatenate_datasets
+
+    from ..data.prepare import dataset_format
+
+    parts = [load_splits(script_args, training_args, path, f"--dataset_name {name}={path}") for path in paths]
+    if len(parts) == 1:
+        return parts[0]
+    formats = {path: dataset_format(train) for path, (train, _) in zip(paths, parts, strict=True)}
+    if len(set(formats.values())) > 1:
+        raise ValueError(f"--dataset_name gives the teacher {name!r} datasets of different formats ("
+                         f"{', '.join(f'{path}: {fmt}' for path, fmt in formats.items())}); convert them to one "
+                         "format.")
+    evaluation = None if parts[0][1] is None else concatenate_datasets([split[1] for split in parts])
+    return concatenate_datasets([split[0] for split in parts]), evaluation
 
 
 def load_splits(script_args, training_args, name: str, what: str):

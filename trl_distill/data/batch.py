@@ -75,18 +75,21 @@ def pop_signal(inputs: dict, key: str = SIGNAL) -> SparseTeacherSignal | None:
 
 
 class PositionIdsCollator:
-    """Wraps a collator for sequence parallelism: every batch gets `position_ids` (the Ulysses loader needs them to
-    shard rows and attention to mask causally), and a teacher signal of whole rows remembers their labels, so each
-    rank can take its positions' part (`shard_signal`)."""
+    """Wraps a collator for sequence parallelism: every batch is padded on the right to a multiple of the
+    sequence-parallel size (each rank takes an equal share of positions; the pad is masked out and learns nothing),
+    gets `position_ids` (the Ulysses loader needs them to shard rows and attention to mask causally), and a teacher
+    signal of whole rows remembers their labels, so each rank can take its positions' part (`shard_signal`)."""
 
-    def __init__(self, collator):
+    def __init__(self, collator, multiple: int = 1):
         self.collator = collator
+        self.multiple = multiple
 
     def __call__(self, examples):
         batch = self.collator(examples)
         if "position_ids" not in batch:
             rows, width = batch["input_ids"].shape
             batch["position_ids"] = torch.arange(width).expand(rows, width).clone()
+        pad_to_multiple(batch, self.multiple, getattr(self.collator, "pad_token_id", None) or 0)
         for value in batch.values():
             if isinstance(value, SignalHolder):
                 value.labels = batch["labels"]
@@ -96,6 +99,25 @@ class PositionIdsCollator:
         if name == "collator":  # not set yet (unpickling in a DataLoader worker)
             raise AttributeError(name)
         return getattr(self.collator, name)
+
+
+def pad_to_multiple(batch: dict, multiple: int, pad_token_id: int) -> None:
+    """Pad every ``[rows, width]`` tensor of `batch` on the right to a width that is a multiple of `multiple`:
+    `input_ids` with `pad_token_id`, `labels` with -100 (no loss), `position_ids` counting on, the rest (attention
+    and completion masks) with 0."""
+    width = batch["input_ids"].shape[1]
+    extra = -width % multiple
+    if not extra:
+        return
+    for key, value in batch.items():
+        if not (isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == width):
+            continue
+        if key == "position_ids":
+            tail = value[:, -1:] + torch.arange(1, extra + 1, dtype=value.dtype)
+            batch[key] = torch.cat([value, tail], dim=1)
+            continue
+        fill = pad_token_id if key == "input_ids" else -100 if key == "labels" else 0
+        batch[key] = torch.nn.functional.pad(value, (0, extra), value=fill)
 
 
 def shard_signal(holder: SignalHolder, signal, local_width: int, rank: int | None = None):

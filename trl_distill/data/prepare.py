@@ -55,13 +55,23 @@ def load_dataset_any(name: str, config: str | None = None, what: str = "--datase
     return load_dataset(name, name=config)
 
 
-def named_datasets(name: str) -> dict[str, str] | None:
-    """``--dataset_name math=PATH,code=PATH`` (several teachers, routed): ``{teacher name: dataset}``; None for one
-    dataset."""
-    parts = [part.partition("=") for part in name.split(",")]
-    if not all(sep and key and value for key, sep, value in parts):
+def named_datasets(name: str) -> dict[str, list[str]] | None:
+    """``--dataset_name math=PATH,code=PATH`` (several teachers, routed): ``{teacher name: [datasets]}``, a name given
+    twice keeping both of its datasets in order (``a=one.jsonl,a=two.jsonl``: all of both, for teacher a); None for
+    one dataset, including an existing path whose name holds ``=`` or ``,``."""
+    from ..teacher.specs import TEACHER_NAME  # here: the teacher package imports this module
+
+    if os.path.exists(name):
         return None
-    return {key.strip(): value.strip() for key, _, value in parts}
+    parts = [part.partition("=") for part in name.split(",")]
+    if not all(sep and key.strip() and value.strip() for key, sep, value in parts):
+        return None
+    named: dict[str, list[str]] = {}
+    for key, _, value in parts:
+        if not TEACHER_NAME.fullmatch(key.strip()):  # `/d/eq=dir.jsonl`: a path, not a teacher's name
+            return None
+        named.setdefault(key.strip(), []).append(value.strip())
+    return named
 
 
 def looks_like_hub_id(name: str) -> bool:
@@ -114,6 +124,12 @@ def check_format(dataset: Dataset, split: str = "train") -> str:
         f"The {split!r} split has columns {sorted(columns)}, which match no supported format. Expected "
         f"{expected}. Rename the columns (or pass `--dataset_text_field` for a text column with another name)."
     )
+
+
+def dataset_format(dataset) -> str | None:
+    """The SFT format (a key of `FORMATS`) whose columns `dataset` holds, without checking its rows; None for none."""
+    columns = set(dataset.column_names)
+    return next((fmt for fmt, needed in FORMATS.items() if set(needed) <= columns), None)
 
 
 def resolve_assistant_only_loss(setting: bool | None, dataset, tokenizer) -> bool:

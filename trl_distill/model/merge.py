@@ -18,6 +18,7 @@ import os
 from ..errors import ExternalError
 
 MARKER = "trl_distill_merge.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # what peft's save_pretrained writes
 
 
 def check_merge_output(output: str, adapter: str, base: str | None = None) -> list[str]:
@@ -81,16 +82,34 @@ def _check_saved(output: str) -> list[str]:
     return files
 
 
+def _check_weights(adapter: str, base: str, base_what: str) -> None:
+    """The adapter's weights, and a local base's, are there and whole (a file cut short is one line naming it, not
+    safetensors' error from inside peft)."""
+    from ..runtime.validation import check_weights_complete
+
+    if not any(os.path.isfile(os.path.join(adapter, name)) for name in ADAPTER_WEIGHTS):
+        raise FileNotFoundError(f"--adapter: {adapter!r} holds adapter_config.json but no adapter weights "
+                                f"({' or '.join(ADAPTER_WEIGHTS)}); pass a complete LoRA checkpoint directory.")
+    check_weights_complete(adapter, "--adapter")
+    check_weights_complete(base, base_what)
+
+
 def merge_adapter(adapter: str, output: str, base: str | None = None, dtype: str = "auto") -> str:
     """Merge the LoRA adapter in `adapter` into its base model and save the result to `output`; returns `output`."""
     config_path = os.path.join(adapter, "adapter_config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"--adapter: no adapter_config.json in {adapter!r}; pass a LoRA checkpoint directory.")
-    with open(config_path) as f:
-        base = base or json.load(f).get("base_model_name_or_path")
+    base_what = "--base" if base else f"the base model {config_path} names"
+    try:
+        with open(config_path) as f:
+            base = base or json.load(f).get("base_model_name_or_path")
+    except (ValueError, AttributeError) as error:  # cut short, not JSON, or JSON that is not an object
+        raise ValueError(f"--adapter: {config_path} is not a readable adapter config ({error}); save or copy the "
+                         "adapter again.") from error
     if not base:
         raise ValueError("The adapter does not name its base model; pass --base.")
     previous = check_merge_output(output, adapter, base)
+    _check_weights(adapter, base, base_what)
 
     import torch
     from peft import PeftModel

@@ -27,6 +27,8 @@ class RunHistory:
     max_steps: int
     series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     run: dict = field(default_factory=dict)
+    passed_over: list[str] = field(default_factory=list)
+    """trainer_state.json files found but not readable (cut short, not JSON), newer than `state_file`."""
 
     def values(self, name: str) -> list[tuple[int, float]]:
         return self.series.get(name, [])
@@ -45,12 +47,21 @@ def load_history(directory: str) -> RunHistory:
     if not os.path.isdir(directory):
         raise ReportError(f"{directory} is not a directory: pass the output_dir of a run (`trl-distill report OUT`).")
     candidates = [directory, *checkpoints_newest_first(directory)]
-    state_file = next((os.path.join(c, "trainer_state.json") for c in candidates
-                       if os.path.isfile(os.path.join(c, "trainer_state.json"))), None)
-    state = _read_json(state_file) if state_file else None
+    passed_over, state_file, state = [], None, None
+    for candidate in candidates:  # the output directory's, else the newest checkpoint's that reads
+        path = os.path.join(candidate, "trainer_state.json")
+        if not os.path.isfile(path):
+            continue
+        state = _read_json(path)
+        if isinstance(state, dict):
+            state_file = path
+            break
+        passed_over.append(path)
+        state = None
     if state is None:
-        raise ReportError(f"{directory} holds no readable trainer_state.json, nor do its checkpoints: `trl-distill` "
-                          "writes one when training ends (Python API: call trainer.save_state()).")
+        unreadable = f" ({', '.join(passed_over)} cannot be read: cut short?)" if passed_over else ""
+        raise ReportError(f"{directory} holds no readable trainer_state.json, nor do its checkpoints{unreadable}: "
+                          "`trl-distill` writes one when training ends (Python API: call trainer.save_state()).")
     series: dict[str, list[tuple[int, float]]] = {}
     for entry in state.get("log_history", []):
         if "train_runtime" in entry or "step" not in entry:
@@ -62,7 +73,7 @@ def load_history(directory: str) -> RunHistory:
         (record["run"] for c in checkpoints_newest_first(directory)
          if (record := _read_json(os.path.join(c, MARKER))) and record.get("run")), {})
     return RunHistory(directory, state_file, int(state.get("global_step", 0)), int(state.get("max_steps", 0)),
-                      series, run)
+                      series, run, passed_over)
 
 
 def write_run_record(directory: str, run: dict) -> str:

@@ -34,7 +34,8 @@ def summary(history: RunHistory, picture: str | None = None) -> str:
     if "world_size" in history.run:
         lines.append(f"- processes: {history.run['world_size']} (DeepSpeed: {history.run.get('deepspeed')})")
     lines += [f"- {name}: {value}" for name, value in settings.items() if value is not None]
-    lines += [f"- read from: `{history.state_file}`", ""]
+    lines += [f"- read from: `{history.state_file}`"]
+    lines += [f"- passed over (unreadable): `{path}`" for path in history.passed_over] + [""]
     names = [n for n in ORDER if history.values(n)] + sorted(
         n for n in history.series if n not in ORDER and n not in NOT_METRICS and not n.startswith("eval_")
         and not n.endswith(("_runtime", "_per_second")))

@@ -138,6 +138,23 @@ class RolloutServerClient:
     def weight_version(self) -> str | None:
         return self.control.get("/weight_info").get("weight_version")
 
+    def answers(self, tries: int = 2, timeout: float = 5.0) -> bool:
+        """Whether the server still answers its ``/health`` (asked `tries` times, a second apart, not retried with
+        backoff): after a failed request, tells a server that is gone from one that refused."""
+        import time
+
+        import requests
+
+        for attempt in range(tries):
+            try:
+                if requests.get(self.url + "/health", timeout=timeout).ok:
+                    return True
+            except requests.RequestException:
+                pass
+            if attempt + 1 < tries:
+                time.sleep(1.0)
+        return False
+
     def close(self) -> None:
         """Stop the request threads and close the connections; a later request opens new ones."""
         if self._pool is not None:

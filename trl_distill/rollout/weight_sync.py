@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 
 from ..compat import gloo_group
-from .engine_client import RolloutServerError
+from .engine_client import RolloutServerError, RolloutServerReplyError
 from .student_weights import chunks, flat_chunks, student_weights
 
 CHUNK_BYTES = 64 << 20
@@ -79,16 +79,32 @@ class EngineWeightSync:
             self.client.start_weight_update()
             self._alongside(lambda: self.client.update_weights(update), send)
             self.client.finish_weight_update(str(version))
-        except RolloutServerError as error:
-            raise type(error)(f"The rollout server {self.client.url} could not load the student's weights: it must "
-                              "serve the student's own architecture and sizes (`trl-distill vllm-serve --model "
-                              f"STUDENT`). It said: {error}") from None
+        except (RolloutServerError, RuntimeError) as error:  # RuntimeError: gloo's, the broadcast's peer gone
+            raise self._sync_failure(error, version) from None
         finally:
             try:
                 self.client.resume()
             except RolloutServerError:
                 pass  # the error above says what went wrong; a server that died cannot resume
         self.seconds += time.perf_counter() - started
+
+    def _sync_failure(self, error: Exception, version: int) -> RolloutServerError:
+        """The one line for a sync that failed: a server that no longer answers is named as such first (whichever
+        request or collective noticed it), one that answered and refused the weights is told what it must serve."""
+        url = self.client.url
+        if not self.client.answers():
+            return RolloutServerError(f"The rollout server {url} stopped answering during the weight sync of step "
+                                      f"{version} (it died or was stopped): restart it (`trl-distill vllm-serve "
+                                      f"--model STUDENT`) and resume. The sync ended with: {error}")
+        if isinstance(error, RolloutServerReplyError) or getattr(error, "answered", False):
+            return type(error)(f"The rollout server {url} could not load the student's weights: it must serve the "
+                               "student's own architecture and sizes (`trl-distill vllm-serve --model STUDENT`). "
+                               f"It said: {error}")
+        if isinstance(error, RolloutServerError):  # up, but too slow for the timeout: its own line says so
+            return error
+        return RolloutServerError(f"The student's weights could not be sent to the rollout server {url} (the gloo "
+                                  f"group of the weight sync failed: {error}); check that --vllm_group_port is "
+                                  "reachable from the server, then resume.")
 
     def take_seconds(self) -> float:
         seconds, self.seconds = self.seconds, 0.0

@@ -166,11 +166,11 @@ def build_teacher_config(
 
 
 def print_engine_configs(accelerator, teacher_notes: list[str]) -> None:
-    """Print the effective DeepSpeed config of each engine (call on global rank 0, as training starts)."""
+    """Log the effective DeepSpeed config of each engine (call on global rank 0, as training starts)."""
     plugins = getattr(accelerator.state, "deepspeed_plugins", None)
     for name, plugin in (plugins.items() if isinstance(plugins, dict) else ()):
         mine = teacher_notes if name == "teacher" else [  # several teachers: "NAME: note" for plugin "teacher:NAME"
             note.split(": ", 1)[1] for note in teacher_notes if name.startswith("teacher:")
             and note.startswith(f"{name.split(':', 1)[1]}: ")]
         note = f" ({'; '.join(mine)})" if mine else ""
-        print(f"trl_distill: {name} DeepSpeed config{note}: {json.dumps(plugin.deepspeed_config)}", flush=True)
+        logger.info(f"trl_distill: {name} DeepSpeed config{note}: {json.dumps(plugin.deepspeed_config)}")

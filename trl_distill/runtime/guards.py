@@ -3,7 +3,8 @@
 - a non-finite student loss stops every rank before its backward (the last complete checkpoint is kept);
 - on-policy collapse (the student's samples repeat themselves, or its entropy on them vanishes, for
   ``collapse_patience`` logging steps in a row) stops with the numbers;
-- a teacher whose cross-entropy on the data is worse than the untrained student's at the first step is a warning
+- a teacher whose cross-entropy on the dataset's rows is worse than the student's before training, at the first
+  step, is a warning
   (a wrong teacher, or data it was not trained for).
 """
 
@@ -107,13 +108,14 @@ class Guards:
                 "student; the last complete checkpoint is kept.")
 
     def check_teacher(self, means: dict[str, float]) -> None:
-        """At the first step of a fresh run (rank 0): warn when the teacher's CE is worse than the student's."""
+        """At the first step of a fresh run (rank 0): warn when the teacher's CE on that step's dataset rows (not the
+        student's own samples, which it rates highly) is worse than the student's, before it trained."""
         teacher, student = means.get("teacher_ce"), means.get("student_ce")
         if teacher is None or student is None or not math.isfinite(teacher) or self.trainer.args.alpha == 0:
             return  # (alpha 0: the teacher is only logged, e.g. an SFT-only run that names the student itself)
         if teacher > student + self.trainer.args.teacher_ce_margin:
             logger.warning(
                 "trl_distill: at the first step the teacher's cross-entropy on the training data is %.4f, the "
-                "untrained student's %.4f: the teacher predicts this data worse than the student it teaches. A "
+                "student's before training %.4f: the teacher predicts this data worse than the student it teaches. A "
                 "wrong teacher, or data it was not trained for? (teacher_ce_margin=%g)", teacher, student,
                 self.trainer.args.teacher_ce_margin)

@@ -146,8 +146,10 @@ class JsonHttpClient:
                     f"{self.address_flag} must be the address of the vLLM server itself (http://host:port, as "
                     f"`{self.command}` prints it), not a proxy, login or web page.") from None
         if answered:
-            raise self.unreachable_error(f"{what} answered {path} with {failure} on all {attempts} "
-                                         "attempts: it fails on this request (see its log); fix or restart it.")
+            error = self.unreachable_error(f"{what} answered {path} with {failure} on all {attempts} "
+                                           "attempts: it fails on this request (see its log); fix or restart it.")
+            error.answered = True  # the server is up and failed the request (not: gone, or too slow)
+            raise error
         raise self.unreachable_error(f"{what} did not answer {path} after {attempts} attempts ({self.timeout:g} s "
                                      f"timeout each): {failure}. Is `{self.command}` running there? Check its log; "
                                      f"raise {self.timeout_flag} if it is only slow.")

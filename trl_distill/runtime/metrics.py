@@ -27,6 +27,7 @@ class DistillMetrics:
         self.guards = Guards(trainer)
         self.window = LossDiagnostics(trainer.args.device)  # training: since the last log
         self.evaluated = LossDiagnostics(trainer.args.device)  # evaluation: the whole set
+        self.first_step = LossDiagnostics(trainer.args.device)  # a fresh run's first step, dataset rows only
         self.pending: LossDiagnostics | None = None  # the current micro-batch's, filled by the fused loss
 
     def diagnostics(self) -> LossDiagnostics | None:
@@ -65,6 +66,9 @@ class DistillMetrics:
             pending.copy_as("student_entropy", "on_policy_student_entropy")
         if pending is not None:
             (self.window if trainer.model.training else self.evaluated).merge(pending)
+            if trainer.model.training and not on_policy and self.last_logged_step == 0 and \
+                    trainer.state.global_step == 0:  # the teacher check judges it on the data, not on samples
+                self.first_step.merge(pending)
         if trainer.model.training:
             self.guards.check_loss(loss)
             self.sums["kd_loss"] += kd.detach()
@@ -136,7 +140,8 @@ class DistillMetrics:
     def check_first_step(self, step: int) -> None:
         """At the end of a fresh run's first optimizer step (collective): the teacher-vs-student CE warning."""
         if step == 1 and self.last_logged_step == 0 and self.trainer.args.log_distill_metrics:
-            means = self.reduced(self.window, internal=True)
+            means = self.reduced(self.first_step, internal=True)  # none on a step of the student's samples only
+            self.first_step.reset()
             if self.trainer.accelerator.is_main_process:
                 self.guards.check_teacher(means)
             if not (self.logged(1) or self.trainer.args.distill_metrics_every_step):

@@ -10,10 +10,13 @@ student's side is the stock one (accelerate registers the attention and shards t
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 
 from .. import compat
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 """What Ulysses can wrap (`UlyssesSPAttentionHF.register_with_transformers`, deepspeed 0.19.8): not ``eager``."""
@@ -167,7 +170,7 @@ def attach(trainer) -> None:
     from ..data.batch import PositionIdsCollator
 
     check_sharded_attention(trainer.student, trainer.args, "student")
-    trainer.data_collator = PositionIdsCollator(trainer.data_collator)
+    trainer.data_collator = PositionIdsCollator(trainer.data_collator, sequence_parallel_size(trainer.args))
 
 
 def start_step(trainer, batch_samples: list[dict], device, counted):
@@ -183,9 +186,9 @@ def start_step(trainer, batch_samples: list[dict], device, counted):
     trainer.sharded_attention = install_sharded_attention(trainer, attention_implementation(trainer.args))
     if first and batch_samples and trainer.accelerator.is_main_process:
         size, width = sequence_parallel_size(trainer.args), batch_samples[0]["input_ids"].shape[1]
-        print(f"trl_distill: sequence parallelism {size} (DeepSpeed Ulysses, {attention_implementation(trainer.args)} "
-              f"attention): each rank holds {width} of every {width * size}-token row's positions, student and "
-              "teacher alike.", flush=True)  # like the start-up's other lines
+        logger.info(f"trl_distill: sequence parallelism {size} (DeepSpeed Ulysses, "
+                    f"{attention_implementation(trainer.args)} attention): each rank holds {width} of every "
+                    f"{width * size}-token row's positions, student and teacher alike.")
     return sharded_token_count(trainer, batch_samples, device, counted)
 
 

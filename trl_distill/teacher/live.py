@@ -257,7 +257,7 @@ class LiveTeacher(TeacherSource):
         batch = _model_inputs(prepare_inputs(trainer, trainer.data_collator([columns[0]])))
         (path,) = settle_logit_paths([("teacher", self.engine, self.module)], probe_inputs(batch), trainer.accelerator)
         if trainer.accelerator.is_main_process:
-            print(path.describe(trainer.vocab_size, batch["input_ids"].numel()), flush=True)
+            logger.info(path.describe(trainer.vocab_size, batch["input_ids"].numel()))
 
     def cache_records(self, columns, mine: list[range], steps: int, filler: range, top_k: int,
                       temperature: float) -> list[dict]:

@@ -90,6 +90,8 @@ class TeacherPanel(TeacherSource):
         """``{teacher name: dataset}`` as one dataset whose `column` names each row's teacher."""
         from datasets import concatenate_datasets
 
+        from ..data.prepare import dataset_format
+
         if not self.routed:
             raise ValueError("A dict of train datasets routes each one to its teacher: set teacher_combine='route', "
                              "or pass one dataset to mix the teachers on.")
@@ -97,6 +99,12 @@ class TeacherPanel(TeacherSource):
         if unknown:
             raise ValueError(f"A dict of train datasets routes each one to the teacher of its name; {unknown} name no "
                              f"teacher of {self.names}.")
+        formats = {name: dataset_format(dataset) for name, dataset in named.items()}
+        if len(set(formats.values())) > 1:  # concatenated, each row would hold the other format's fields as None
+            raise ValueError("The teachers' datasets are of different formats (" + ", ".join(
+                f"{name}: {fmt or 'columns ' + str(named[name].column_names)}" for name, fmt in formats.items())
+                + "); they train as one dataset, so convert them to one format (e.g. prompt-completion rows to "
+                "`messages`).")
         parts = [dataset.remove_columns([self.column]) if self.column in dataset.column_names else dataset
                  for dataset in named.values()]
         return concatenate_datasets([part.add_column(self.column, [name] * len(part))

@@ -14,6 +14,7 @@ from .base import TeacherSource
 from .cached import CachedTeacher
 from .cross_tokenizer import CrossTokenizerTeacher
 from .live import LiveTeacher
+from .no_teacher import SFT_ONLY, NoTeacher
 from .self_distill import SELF, SelfTeacher
 from .served import ServedTeacher
 from .support import ARGS_MODES, active_modes, matrix
@@ -76,8 +77,13 @@ def resolve_teacher(teacher_model, args, *, student, processing_class, eval_data
             logger.warning("Training from the teacher cache %s: the teacher %s is not loaded.", args.teacher_cache,
                            teacher_model if isinstance(teacher_model, str) else "model")
         return CachedTeacher(args.teacher_cache)
+    if teacher_model is None and args.alpha == 0:  # the SFT baseline: CE only, nothing to distil from
+        NoTeacher.refuse(args, eval_dataset=eval_dataset, peft=peft)
+        logger.info(SFT_ONLY)
+        return NoTeacher()
     if teacher_model is None:
-        raise ValueError("No teacher: pass `teacher_model=` or set `teacher_model_name_or_path` in the config.")
+        raise ValueError("No teacher: pass `teacher_model=` or set `teacher_model_name_or_path` in the config (or set "
+                         "alpha=0 to train on the cross-entropy alone, as trl.SFTTrainer does).")
     if isinstance(teacher_model, str) and teacher_model == SELF:
         if not peft:
             raise ValueError(
@@ -219,8 +225,11 @@ def check_teacher_flags(args, use_peft: bool) -> None:
                 check_model_path(spec.model, f"--teachers {spec.name}")
         return
     if not (args.teacher_model_name_or_path or args.teacher_cache or args.teacher_server):
+        if args.alpha == 0:
+            return  # cross-entropy only, as trl.SFTTrainer trains (`no_teacher`)
         raise ValueError("Pass the teacher with --teacher_model_name_or_path (or a cache of it with --teacher_cache, "
-                         "or a vLLM server of it with --teacher_server), or several with --teachers NAME=SOURCE ...")
+                         "or a vLLM server of it with --teacher_server), or several with --teachers NAME=SOURCE ... "
+                         "(--alpha 0 trains on the cross-entropy alone, without a teacher).")
     if args.teacher_model_name_or_path == SELF and not use_peft:
         raise ValueError("--teacher_model_name_or_path self (self-distillation) needs a LoRA student: add --use_peft.")
     if not (args.teacher_cache or args.teacher_server or args.teacher_model_name_or_path == SELF):

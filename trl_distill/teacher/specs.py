@@ -17,7 +17,8 @@ from typing import Any
 
 COMBINE = ("route", "mixture", "sum")
 """How several teachers' signals make one loss (`loss.combined`)."""
-_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+TEACHER_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+"""What a teacher may be called (it names the teacher in the routing column, the logs and `--dataset_name`)."""
 _KEYS = {"name", "model", "cache", "server", "served_model", "deepspeed", "init_kwargs"}
 
 
@@ -40,6 +41,11 @@ class TeacherSpec:
     @property
     def source(self) -> str:
         return self.cache or self.server or self.model
+
+    def as_dict(self) -> dict:
+        """The dict form of this entry (what `parse_teacher` reads back), only the fields that are set: what
+        `DistillationConfig.to_dict` writes, and so the JSON that logging callbacks record."""
+        return {key: value for key, value in vars(self).items() if value not in (None, {})}
 
     def entry(self) -> str:
         """The ``NAME=SOURCE`` form (what a run record holds)."""
@@ -74,7 +80,7 @@ def parse_teacher(entry) -> TeacherSpec:
 
 
 def _checked(spec: TeacherSpec) -> TeacherSpec:
-    if not _NAME.match(spec.name):
+    if not TEACHER_NAME.fullmatch(spec.name):
         raise ValueError(f"teachers: the name {spec.name!r} must be letters, digits, '_', '.' or '-' (it names the "
                          "teacher in the routing column and in the logs).")
     return spec
