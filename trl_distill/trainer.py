@@ -4,7 +4,6 @@ a student trained with any ZeRO stage (or without DeepSpeed)."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from functools import partial
 
@@ -18,7 +17,7 @@ from .data import prepare
 from .data.batch import loss_tokens
 from .loss.fused import LossSettings, fused_loss, select_loss_rows
 from .model.fused_forward import LossFeatures, add_fused_distillation_forward, gathered
-from .model.logit_check import settle_logit_paths_by_inputs
+from .model.logit_check import announce, settle_logit_paths_by_inputs
 from .rollout.on_policy import CompletionSampler, check_sampling_prompts, refuse_zero3_student_sampling
 from .runtime import sequence_parallel, validation
 from .runtime.checkpoints import resume_point, run_record, save_complete_checkpoint, student_identity
@@ -28,8 +27,6 @@ from .runtime.run_lock import refuse_if_locked, take_run_lock
 from .runtime.validation import check_dataset_not_empty, check_output_dir, run_inputs, shared_vocab_size
 from .teacher import TeacherBatch, resolve_teacher
 from .teacher.live import STUDENT
-
-logger = logging.getLogger(__name__)
 
 
 class DistillationTrainer(SFTTrainer):
@@ -270,9 +267,7 @@ class DistillationTrainer(SFTTrainer):
         student = student.get_base_model() if hasattr(student, "get_base_model") else student
         candidates = [("student", model, student, model_inputs), *self.teacher.logit_candidates(model_inputs, extras)]
         self.logit_paths = settle_logit_paths_by_inputs(candidates, self.accelerator, self.args.bf16 or self.args.fp16)
-        if self.accelerator.is_main_process:
-            for path in self.logit_paths:
-                logger.info(path.describe(self.vocab_size, int(mask.shape[0] * mask.shape[1])))
+        announce(self.logit_paths, self.accelerator, self.vocab_size, int(mask.shape[0] * mask.shape[1]))
 
     def _fused_loss(self, student: LossFeatures, *, teacher: TeacherBatch, target, mask, num_items_in_batch,
                     correction=None):

@@ -4,6 +4,7 @@ callback writes), and `--alpha 0` without a teacher (the SFT baseline). Each cas
 and that nothing the user gave was lost."""
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -142,3 +143,24 @@ def test_alpha_0_without_a_teacher_trains_on_the_cross_entropy_and_says_so(tiny_
     code, _, err = run(["--model_name_or_path", tiny_pair["student"], "--dataset_name", str(files["one"]),
                         "--output_dir", str(tmp_path / "none"), "--max_steps", "1", *FAST], capsys)
     assert code == 2 and "(--alpha 0 trains on the cross-entropy alone, without a teacher)" in err
+
+
+@pytest.mark.distributed
+def test_on_two_processes_rank_0_says_what_it_does_and_the_other_stays_quiet(tiny_pair, files, tmp_path):
+    """The SFT-only line is logged on every rank: shown once, by rank 0 (`log_level` passive: INFO), not by rank 1
+    (`log_level_replica` warning); `log_level_replica info` would show it on both (`process_log_level`)."""
+    from types import SimpleNamespace
+
+    from trl_distill.runtime.log_setup import process_log_level
+    from trl_distill.testing import launch
+
+    done = launch("trl_distill", "--model_name_or_path", tiny_pair["student"], "--alpha", "0", "--dataset_name",
+                  str(files["one"]), "--output_dir", str(tmp_path / "out"), "--max_steps", "1", *FAST,
+                  launcher_args=("-m",), timeout=240)
+    assert done.stdout.count(f"trl_distill: {SFT_ONLY}") == 1, done.stdout[-3000:]
+    levels = {(main, replica, rank_0): process_log_level(SimpleNamespace(log_level=main, log_level_replica=replica,
+                                                                         should_log=rank_0))
+              for main in ("passive", "error") for replica in ("passive", "warning", "info") for rank_0 in (0, 1)}
+    assert levels[("passive", "warning", 1)] == logging.INFO and levels[("passive", "warning", 0)] == logging.WARNING
+    assert levels[("passive", "info", 0)] == logging.INFO and levels[("error", "passive", 1)] == logging.ERROR
+    assert levels[("passive", "passive", 0)] == logging.WARNING

@@ -10,12 +10,15 @@ on: its own forward with ``logits_to_keep`` = the loss positions (see `modeling.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .fused_forward import LossFeatures, gathered, use_exact_logits
+
+logger = logging.getLogger(__name__)
 
 PROBE_TOKENS = 64  # positions of the first row compared, per model
 
@@ -128,3 +131,10 @@ def settle_logit_paths_by_inputs(candidates: list[tuple[str, object, nn.Module, 
         groups.setdefault(id(inputs), (inputs, []))[1].append((name, call, module))
     return [path for inputs, group in groups.values()
             for path in settle_logit_paths(group, probe_inputs(inputs), accelerator, mixed_precision)]
+
+
+def announce(paths: list, accelerator, vocab: int, loss_tokens: int) -> None:
+    """Rank 0 says which path each model takes (one info line each, `LogitPath.describe`)."""
+    if accelerator.is_main_process:
+        for path in paths:
+            logger.info(path.describe(vocab, loss_tokens))

@@ -25,7 +25,7 @@ from ..compat import accelerator_state_kept, prepare_inputs, sequence_parallelis
 from ..data.batch import loss_tokens
 from ..loss.sparse import top_k_teacher_signal
 from ..model.fused_forward import LossFeatures, add_fused_distillation_forward, gathered, hidden_size
-from ..model.logit_check import probe_inputs, settle_logit_paths
+from ..model.logit_check import announce, probe_inputs, settle_logit_paths
 from ..runtime.deepspeed_config import build_teacher_config
 from ..runtime.sequence_parallel import check_sharded_attention
 from ..runtime.validation import check_model_path, check_teacher_finite, check_tokenizers_match, check_weights_complete
@@ -256,8 +256,7 @@ class LiveTeacher(TeacherSource):
         self.prepare(trainer.accelerator, trainer.args.device)
         batch = _model_inputs(prepare_inputs(trainer, trainer.data_collator([columns[0]])))
         (path,) = settle_logit_paths([("teacher", self.engine, self.module)], probe_inputs(batch), trainer.accelerator)
-        if trainer.accelerator.is_main_process:
-            logger.info(path.describe(trainer.vocab_size, batch["input_ids"].numel()))
+        announce([path], trainer.accelerator, trainer.vocab_size, batch["input_ids"].numel())
 
     def cache_records(self, columns, mine: list[range], steps: int, filler: range, top_k: int,
                       temperature: float) -> list[dict]:
