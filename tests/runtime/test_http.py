@@ -226,8 +226,8 @@ def test_an_address_that_is_not_http_is_refused_at_once():
 
 def test_stop_cancels_the_retries(server):
     stop, http = threading.Event(), client(server.url, backoff=30)
+    start = time.monotonic()  # before the timer starts: the stop comes at least 0.3 s after it
     threading.Timer(0.3, stop.set).start()
-    start = time.monotonic()
     with pytest.raises(Down) as error:
         http.post("/always500", {}, stop=stop)
     assert str(error.value) == f"The request to the test server {server.url}/always500 was cancelled."
