@@ -22,12 +22,13 @@ quickstart: setup
 
 # The whole suite, the tests against a real vLLM server included (its own venv, built once by vllm-env), on 2 pytest-xdist
 # workers: the multi-process tests in two groups (with a vLLM server, without), each on one worker and its shared ranks
-# (tests/rank_pool.py); the one-process tests fill both. Ends with the 15 slowest tests and the total (about 14 minutes on
-# 2 cores, plus the two venvs' first set-up).
+# (tests/rank_pool.py); the one-process tests fill both. Ends with the 15 slowest tests and the total (796-896 s of
+# tests in three fresh clones on 2 idle cores; 999-1118 s with the two venvs' first set-up).
 test: setup vllm-env
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadgroup --durations=15
 
-# The edit loop: everything but the multi-process tests, on 2 workers (about 3 minutes). `make test` is what CI runs.
+# The edit loop: everything but the multi-process tests, on 2 workers (154 s wall, 140 s of tests; 261 s wall on one
+# worker). `make test` is what CI runs.
 test-fast: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 -m "not distributed" --durations=15
 

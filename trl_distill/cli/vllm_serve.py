@@ -15,7 +15,9 @@ class VllmServeArguments:
     host: str = field(default="0.0.0.0", metadata={"help": "Address to listen on."})
     port: int = field(default=8000, metadata={"help": "Port to listen on (the trainer's --vllm_server_port)."})
     served_model_name: str | None = field(default=None, metadata={"help": "Name the model is served under."})
-    dtype: str = field(default="auto", metadata={"help": "vLLM's --dtype (auto: the checkpoint's)."})
+    dtype: str = field(default="auto", metadata={
+        "help": "vLLM's --dtype (auto: vLLM's rule, the checkpoint's dtype but float32 served in bf16 or fp16; "
+                "float32 keeps an fp32 student's weights as they are)."})
     max_model_len: int | None = field(default=None, metadata={"help": "Longest prompt + completion served."})
     gpu_memory_utilization: float | None = field(default=None, metadata={"help": "vLLM's GPU memory share."})
     tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM's tensor parallelism."})
