@@ -129,8 +129,9 @@ def test_no_module_imports_another_modules_private_name():
 
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_no_file_over_450_lines(name):
-    limit = 300 if name == "trl_distill.trainer" else 450
-    assert len(MODULES[name].read_text().splitlines()) <= limit
+    """The usual cap for the trainer too: its own 300-line cap pushed its work into modules that took it and changed
+    it (issue 42)."""
+    assert len(MODULES[name].read_text().splitlines()) <= 450
 
 
 def test_no_branch_on_the_kind_of_teacher_outside_the_teacher_package():

@@ -57,6 +57,7 @@ def test_a_kept_column_survives_the_unused_column_drop(trainer):
     trainer._set_signature_columns_if_needed()
     compat.keep_dataset_column(trainer, "extra")
     assert trainer._remove_unused_columns(dataset).column_names == ["input_ids", "extra"]
+    assert compat.model_columns(trainer, dataset).column_names == ["input_ids", "extra"]
 
 
 def test_eval_metric_values_are_averaged_into_the_eval_log(trainer):

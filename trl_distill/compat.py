@@ -166,6 +166,12 @@ def keep_dataset_column(trainer, column: str) -> None:
         trainer._signature_columns = [*trainer._signature_columns, column]
 
 
+def model_columns(trainer, dataset):
+    """`dataset` with only the columns the Trainer's DataLoader keeps for the collator (the model's signature columns
+    and those `keep_dataset_column` kept): `Trainer._remove_unused_columns`."""
+    return trainer._remove_unused_columns(dataset)
+
+
 def eval_metric_values(trainer, name: str) -> list:
     """SFTTrainer's per-sample eval metric list, averaged and cleared by its `log()`: `SFTTrainer._metrics`."""
     return trainer._metrics["eval"][name]

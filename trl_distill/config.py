@@ -11,6 +11,7 @@ from transformers import TrainingArguments
 from trl import SFTConfig
 
 from . import compat
+from .evaluation.fields import GenerationEvalFields, check_generation_eval_args
 from .loss.divergences import LOSS_TYPES
 from .model.precision import settle_precision
 from .rollout.engine_config import EngineRolloutFields, check_engine_args
@@ -24,7 +25,7 @@ from .teacher.specs import check_teachers
 
 
 @dataclass
-class DistillationConfig(SFTConfig, EngineRolloutFields, GuardFields, SequenceParallelFields):
+class DistillationConfig(SFTConfig, EngineRolloutFields, GuardFields, SequenceParallelFields, GenerationEvalFields):
     r"""
     Configuration for [`DistillationTrainer`]: every [`trl.SFTConfig`] field, plus the ones below.
 
@@ -64,6 +65,12 @@ class DistillationConfig(SFTConfig, EngineRolloutFields, GuardFields, SequencePa
         the teacher (GKD). use_vllm, vllm_server_base_url (or _host / _port), vllm_server_timeout, vllm_sync_steps,
         vllm_group_port: the student's completions sampled by a vLLM server whose weights follow the student's
         (TRL's names; `trl-distill vllm-serve` starts it).
+
+    > Generation-based evaluation
+
+    eval_reward_funcs, num_generations_eval, eval_temperature, eval_max_new_tokens, eval_generation_prompts,
+        eval_answer_column, eval_answer_pattern: in evaluate(), the student completes the eval prompts and verifiers
+        score each completion (pass@k), and the teacher scores them (`trl_distill.evaluation`).
 
     > Long rows
 
@@ -289,6 +296,7 @@ class DistillationConfig(SFTConfig, EngineRolloutFields, GuardFields, SequencePa
             )
         check_engine_args(self)
         check_guard_args(self)
+        check_generation_eval_args(self)
         check_teachers(self)  # several teachers: their entries, weights and modes
         refuse_unsupported(self)  # what the run's kind of teacher refuses, where the arguments name both
         for name in ("model_init_kwargs", "teacher_model_init_kwargs"):

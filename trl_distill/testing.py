@@ -53,6 +53,17 @@ def synthetic_prompt_completion(num_examples: int = 64, seed: int = 0) -> Datase
     return Dataset.from_list(rows)
 
 
+def with_answers(dataset: Dataset) -> Dataset:
+    """`dataset` (prompt–completion) with an ``answer`` column: each completion's text, stripped."""
+    return dataset.add_column("answer", [completion.strip() for completion in dataset["completion"]])
+
+
+def even_length_reward(prompts, completions, **columns) -> list[float]:
+    """A verifier with TRL's reward signature that about half of a tiny untrained model's completions pass: 1.0 for a
+    completion of an even number of characters (tests load it as ``trl_distill.testing:even_length_reward``)."""
+    return [float(len(completion) % 2 == 0) for completion in completions]
+
+
 def long_prompt_completion(num_examples: int, tokens: int, seed: int = 0) -> Dataset:
     """Prompt–completion rows longer than `tokens` tokens of `build_tokenizer`'s (about a quarter prompt), for runs
     that truncate every row to ``max_length=tokens``: all rows then have exactly that length (a word is one to

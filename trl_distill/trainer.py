@@ -15,10 +15,19 @@ from . import compat  # the private library APIs we use, each in one named funct
 from .config import DistillationConfig, as_distillation_config
 from .data import prepare
 from .data.batch import loss_tokens
+from .evaluation.fields import eval_sampling_temperature
+from .evaluation.generation import GenerationEvaluation, eval_settings
 from .loss.fused import LossSettings, fused_loss, select_loss_rows
 from .model.fused_forward import LossFeatures, add_fused_distillation_forward, gathered
 from .model.logit_check import announce, settle_logit_paths_by_inputs
-from .rollout.on_policy import CompletionSampler, check_sampling_prompts, refuse_zero3_student_sampling
+from .rollout.on_policy import STUDENT as STUDENT_SAMPLES
+from .rollout.on_policy import (
+    CompletionSampler,
+    check_sampling_prompts,
+    promptless_rows,
+    refuse_zero3_student_sampling,
+)
+from .rollout.sampling import Sampling
 from .runtime import sequence_parallel, validation
 from .runtime.checkpoints import resume_point, run_record, save_complete_checkpoint, student_identity
 from .runtime.log_setup import setup_logging
@@ -108,6 +117,8 @@ class DistillationTrainer(SFTTrainer):
             evaluation = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
             for name, dataset in evaluation.items():
                 check_dataset_not_empty(dataset, name, "prepared", args.max_length)
+            if args.eval_reward_funcs:
+                self.check_generation_eval(evaluation)
         except ValueError:
             self.run_lock.release()
             if not output_dir_existed and os.path.isdir(args.output_dir) and not os.listdir(args.output_dir):
@@ -120,6 +131,7 @@ class DistillationTrainer(SFTTrainer):
         self.metrics = DistillMetrics(self)  # kd_loss and ce_loss, logged beside loss
         self.sampler = CompletionSampler(self)  # on-policy / sequence-level completions (lmbda, seq_kd)
         self.logit_paths = None  # each model's logit path, settled on the first batch (`settle_logit_paths`)
+        self.generated: dict[str, float] | None = None  # the generation eval's metrics, for the loop's output
         self.add_callback(TrainingBounds(self))
 
     @property
@@ -204,7 +216,78 @@ class DistillationTrainer(SFTTrainer):
         hide = student_plugin is not None and self.deepspeed is None and student_plugin.zero_stage != 3
         self.metrics.start_evaluation()
         with compat.deepspeed_hidden_from(self) if hide else contextlib.nullcontext():
-            return self.metrics.finish_evaluation(super().evaluation_loop(*args, **kwargs))
+            output = self.metrics.finish_evaluation(super().evaluation_loop(*args, **kwargs))
+        if self.generated is not None:  # beside eval_loss: logged, returned, and there for metric_for_best_model
+            prefix = kwargs.get("metric_key_prefix", "eval")
+            output.metrics.update({f"{prefix}_{name}": value for name, value in self.generated.items()})
+            self.generated = None
+        return output
+
+    # ---- Generation-based evaluation: what the student generates for the eval prompts, judged ----
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """`Trainer.evaluate`; with `eval_reward_funcs`, also the student's completions of the eval prompts, scored by
+        the verifiers and by the teacher (`trl_distill.evaluation`)."""
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        dataset = self.eval_dataset[dataset] if isinstance(dataset, str) else dataset
+        if self.args.eval_reward_funcs and dataset is not None and not isinstance(dataset, dict):
+            self.prepare_teacher()
+            training = self.model.training
+            self.model.eval()
+            try:
+                self.generated = self.generation_evaluation(dataset).run(dataset)
+            finally:
+                self.model.train(training)
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+    def generation_evaluation(self, dataset) -> GenerationEvaluation:
+        """The generation eval of a prepared eval split, handed the calls it makes (collate, sample, score, reduce)."""
+        from trl.data_utils import is_conversational
+
+        args, accelerator = self.args, self.accelerator
+        sampling = Sampling(args.eval_max_new_tokens or args.max_new_tokens, eval_sampling_temperature(args),
+                            args.generation_top_p, args.generation_top_k)
+        view = compat.model_columns(self, dataset)  # what the collator gets, as from the eval DataLoader
+
+        def collate(indices):
+            return compat.prepare_inputs(self, self.data_collator([view[i] for i in indices]))
+
+        def sample(batch, settings):
+            return self.sampler.sample(STUDENT_SAMPLES, batch, settings, score=self.teacher.scores_samples)
+
+        def reduce(totals):
+            if accelerator.num_processes == 1:
+                return totals
+            return accelerator.reduce(totals.to(args.device), reduction="sum").cpu()
+
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        return GenerationEvaluation(eval_settings(args, sampling, dataset), tokenizer,
+                                    accelerator.process_index, accelerator.num_processes, collate, sample,
+                                    self.score_samples if self.teacher.scores_samples else None, reduce,
+                                    len(dataset) > 0 and is_conversational(dataset[0]))
+
+    def score_samples(self, batch: dict):
+        """The teacher's diagnostics of rows the student sampled (its CE of them is its NLL): the loss taken on them,
+        logged nowhere."""
+        self.sampler.pop_correction(batch)  # the engine's log-probs: the training logs' measure only
+        with torch.no_grad(), self.metrics.scoring_samples() as window, self.compute_loss_context_manager():
+            self.compute_loss(self.model, batch)
+        return window
+
+    def check_generation_eval(self, evaluation: dict) -> None:
+        """`eval_reward_funcs`, before anything trains: an eval split whose rows have prompts, and verifiers that
+        score its first rows (their reference completions) without raising or miscounting."""
+        if all(dataset is None for dataset in evaluation.values()):
+            raise ValueError("eval_reward_funcs judges what the student generates for the eval split's prompts, and "
+                             "this run has no eval split: pass eval_dataset (--dataset_test_split), or drop "
+                             "eval_reward_funcs.")
+        for name, dataset in evaluation.items():
+            bare = promptless_rows(dataset)
+            if bare:
+                raise ValueError(f"Generation-based evaluation (eval_reward_funcs) completes each eval row's prompt, "
+                                 f"and {bare} of the {len(dataset)} prepared rows of the {name} split have none "
+                                 "(language-modeling text): use a prompt-completion or conversational eval split.")
+            self.generation_evaluation(dataset).check(dataset)
 
     # ---- The teacher once per optimizer step, over all its micro-batches (`teacher.step_pass`) ----
 

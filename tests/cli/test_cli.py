@@ -145,3 +145,30 @@ def test_two_processes_with_torchrun(tiny_pair, datasets, tmp_path):
                     launcher_args=("-m",))
     assert result.stdout.count("'kd_loss'") == 2
     assert "model.safetensors" in {p.name for p in out.iterdir()}
+
+
+def test_the_generation_eval_from_the_command_line_on_conversations(tiny_pair, tmp_path):
+    """Conversational rows with an answer column (train and test splits in one saved DatasetDict): the eval prompts
+    are rendered by the chat template, the verifiers get TRL's conversational completions, and the run's log and
+    `trl-distill report` carry eval_pass@1 at each evaluation."""
+    import json
+
+    from datasets import DatasetDict
+
+    rows = synthetic_prompt_completion(24).map(
+        lambda r: {"messages": [{"role": "user", "content": r["prompt"]},
+                                {"role": "assistant", "content": r["completion"]}],
+                   "answer": r["completion"].strip()}, remove_columns=["prompt", "completion"])
+    DatasetDict({"train": rows.select(range(16)), "test": rows.select(range(16, 24))}).save_to_disk(tmp_path / "data")
+    out = tmp_path / "out"
+    args = base_args(tiny_pair, str(tmp_path / "data"), out)
+    args[args.index("--max_steps") + 1] = "4"
+    main([*args, "--eval_strategy", "steps", "--eval_steps", "2", "--eval_reward_funcs", "exact_match",
+          "trl_distill.testing:even_length_reward", "--eval_max_new_tokens", "6"])
+    log = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    evals = [h for h in log if "eval_pass@1" in h]
+    assert [h["step"] for h in evals] == [2, 4]
+    assert all(h["eval_generation_prompts"] == 8 and "eval_rewards/even_length_reward/mean" in h
+               and "eval_teacher_nll" in h for h in evals)
+    main(["report", str(out)])
+    assert "| eval_pass@1 |" in (out / "report.md").read_text()

@@ -12,14 +12,14 @@ from trl_distill.testing import VLLM_VENV, free_port, logged, synthetic_prompt_c
 PROBE = "def probe(x):\n    return x + 1\n"
 
 
-def make_trainer(rollout_server, tiny_pair, tmp_path, **overrides):
+def make_trainer(rollout_server, tiny_pair, tmp_path, eval_dataset=None, **overrides):
     settings = tiny_run_settings(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3,
                                  save_strategy="no", use_cpu=True, max_new_tokens=8, lmbda=1.0, use_vllm=True,
                                  vllm_server_base_url=rollout_server["url"], vllm_group_port=free_port(),
                                  vllm_server_timeout=60)
     settings.update(overrides)
     return DistillationTrainer(rollout_server["student"], tiny_pair["teacher"], args=DistillationConfig(**settings),
-                               train_dataset=synthetic_prompt_completion(32),
+                               train_dataset=synthetic_prompt_completion(32), eval_dataset=eval_dataset,
                                processing_class=rollout_server["tokenizer"])
 
 
@@ -379,3 +379,22 @@ def test_vllm_serve_without_vllm_is_one_line(tmp_path):
         f"trl-distill vllm-serve: error: {tmp_path / 'no-python'} cannot run the rollout server: it needs vLLM and "
         "trl_distill's vLLM plugin. Build them with `make vllm-env` (or `pip install vllm ./vllm_plugin` in a Python "
         "of your choice and pass --python or TRL_DISTILL_VLLM_PYTHON)."]
+
+
+def test_the_generation_eval_samples_from_the_synced_server_as_hf_generate_does(rollout_server, tiny_pair, tmp_path):
+    """`use_vllm`: evaluate() syncs the server to the student first and samples there; greedy, it judges the same
+    completions as the student's own HF `generate` (the engine's log-probs are the trainer's within 1e-4), and counts
+    nothing into the training's rollout statistics."""
+    from trl_distill.testing import with_answers
+
+    trainer = make_trainer(rollout_server, tiny_pair, tmp_path, with_answers(synthetic_prompt_completion(8, seed=3)),
+                           eval_reward_funcs=["trl_distill.testing:even_length_reward"], eval_max_new_tokens=8)
+    served = trainer.evaluate()
+    engine = trainer.sampler.engine
+    assert engine.synced_step == 0 and engine.take_stats()[2:] == [0.0] * 7  # synced, nothing counted
+    trainer.sampler.engine = None  # the same evaluation from HF generate
+    local = trainer.evaluate()
+    trainer.sampler.engine = engine
+    for name in ("eval_pass@1", "eval_generated_length", "eval_eos_rate", "eval_generation_prompts"):
+        assert served[name] == local[name], name
+    assert served["eval_teacher_nll"] == pytest.approx(local["eval_teacher_nll"], abs=1e-5)

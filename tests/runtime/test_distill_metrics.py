@@ -6,6 +6,7 @@ on every step (`distill_metrics_every_step`; by default only the logged steps ar
 process, and on two (ZeRO-2 student, ZeRO-3 teacher: tests/scripts/metrics_worker.py, one launch for every
 teacher kind and the 2-process non-finite guard)."""
 
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,7 +21,13 @@ from trl_distill.loss.diagnostics import INTERNAL
 from trl_distill.runtime.checkpoints import is_complete
 from trl_distill.teacher.cross_tokenizer import pop_cross_batch
 from trl_distill.teacher.server_client import TeacherServerClient
-from trl_distill.testing import launch, read_rank_records, synthetic_prompt_completion, tiny_run_settings
+from trl_distill.testing import (
+    launch,
+    read_rank_records,
+    synthetic_prompt_completion,
+    tiny_run_settings,
+    with_answers,
+)
 
 ROWS = 16  # one epoch: 4 optimizer steps of 2 x 2 rows on 1 process, 2 steps of 2 ranks x 2 x 2 on 2
 WORKER = Path(__file__).parents[1] / "scripts" / "metrics_worker.py"
@@ -226,7 +233,7 @@ def metrics_runs(tiny_pair, top_k_cache, served, other_teacher, tmp_path_factory
     out = tmp_path_factory.mktemp("metrics_runs")
     pair = str(Path(tiny_pair["teacher"]).parent)
     launch(WORKER, pair, str(out), "live", f"cache={top_k_cache}", f"served={served['url']}|{served['teacher']}",
-           f"cross={other_teacher}", "nan", timeout=900)
+           f"cross={other_teacher}", "nan", "generate", timeout=900)
     return out
 
 
@@ -267,3 +274,27 @@ def test_on_two_processes_a_nan_on_one_rank_stops_both_before_the_step(metrics_r
     assert "(nan on rank 1;" in ranks[1]["stopped"] and "on rank 0;" in ranks[0]["stopped"]
     out = metrics_runs / "nan"
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"] and is_complete(out / "checkpoint-2")
+
+
+def test_on_two_processes_the_generation_eval_equals_one_process(metrics_runs, tiny_pair, tmp_path):
+    """The student's samples of the eval prompts judged on 2 ranks (batches 0 and 2 on rank 0, batch 1 and a filler
+    round on rank 1) and on 1: the same pass@k and verifier means; the ZeRO-3 teacher's NLL of them within 1e-5."""
+    sys.path.insert(0, str(WORKER.parent))
+    from metrics_worker import GENERATION
+
+    ranks = read_rank_records(metrics_runs / "generate")
+    timings = ("_runtime", "_per_second")
+    assert {k: v for k, v in ranks[0]["eval"].items() if not k.endswith(timings)} == \
+        {k: v for k, v in ranks[1]["eval"].items() if not k.endswith(timings)}  # the all-rank numbers on every rank
+    two = ranks[0]["eval"]
+    one = DistillationTrainer(
+        tiny_pair["student"], args=config(tmp_path, "generate", teacher_model_name_or_path=tiny_pair["teacher"],
+                                          **GENERATION),
+        train_dataset=synthetic_prompt_completion(ROWS),
+        eval_dataset=with_answers(synthetic_prompt_completion(10, seed=5)),
+        processing_class=AutoTokenizer.from_pretrained(tiny_pair["tokenizer"])).evaluate()
+    assert 0 < one["eval_pass@1"] < one["eval_pass@2"] and one["eval_generation_prompts"] == 10
+    for name in ("eval_pass@1", "eval_pass@2", "eval_rewards/even_length_reward/mean",
+                 "eval_rewards/exact_match/mean", "eval_generated_length", "eval_eos_rate", "eval_generation_prompts"):
+        assert two[name] == one[name], name
+    assert two["eval_teacher_nll"] == pytest.approx(one["eval_teacher_nll"], abs=1e-5)

@@ -1,10 +1,11 @@
 """2 processes, ZeRO-2 student beside a ZeRO-3 teacher: the runs of tests/runtime/test_distill_metrics_distributed.py,
 one trainer after another in one launch, each recording what every rank logged into ``<out>/<run>/rank<k>.json``.
 
-    metrics_worker.py PAIR OUT RUN [RUN ...]     RUN: live | cache=DIR | served=URL | cross=TEACHER_DIR | nan
+    metrics_worker.py PAIR OUT RUN [RUN ...]     RUN: live | cache=DIR | served=URL | cross=TEACHER_DIR | nan | generate
 
 Metric runs train one epoch of 16 rows (2 steps of 2 ranks x 2 rows x accumulation 2) at learning rate 0 with one
 log at its end; ``live`` also evaluates. ``nan`` poisons rank 1's student after step 2 and records the stop.
+``generate`` evaluates with `GENERATION` (the student's samples of 10 eval prompts, 2 each, judged) after training.
 """
 
 import os
@@ -16,10 +17,15 @@ from transformers import AutoTokenizer, TrainerCallback
 
 from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.errors import ExternalError
-from trl_distill.testing import synthetic_prompt_completion, tiny_run_settings, write_rank_record
+from trl_distill.testing import synthetic_prompt_completion, tiny_run_settings, with_answers, write_rank_record
 
 STUDENT_ZERO2 = {"zero_optimization": {"stage": 2, "overlap_comm": False}, "train_micro_batch_size_per_gpu": "auto",
                  "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"}}
+
+# The generation eval of the `generate` run (and of its 1-process reference): 10 prompts in batches of 4 (ranks get 2
+# and 1 batches), 2 samples each at temperature 1
+GENERATION = dict(eval_reward_funcs=["trl_distill.testing:even_length_reward", "exact_match"], num_generations_eval=2,
+                  eval_temperature=1.0, eval_max_new_tokens=8, per_device_eval_batch_size=4)
 
 
 class PoisonRankOne(TrainerCallback):
@@ -50,12 +56,15 @@ def run(pair: str, out: str, spec: str) -> dict:
                         teacher_model_name_or_path=None)
     elif name == "cross":
         settings.update(teacher_model_name_or_path=value)
+    elif name == "generate":
+        settings.update(GENERATION)
     elif name == "nan":
         settings.update(max_steps=4, logging_steps=1, learning_rate=2e-3, save_strategy="steps", save_steps=2)
     data = synthetic_prompt_completion(16)
+    evaluation = data if name == "live" else with_answers(synthetic_prompt_completion(10, seed=5)) \
+        if name == "generate" else None
     trainer = DistillationTrainer(student, args=DistillationConfig(**tiny_run_settings(**settings)),
-                                  train_dataset=data, eval_dataset=data if name == "live" else None,
-                                  processing_class=tok)
+                                  train_dataset=data, eval_dataset=evaluation, processing_class=tok)
     record = {}
     if name == "nan":
         trainer.add_callback(PoisonRankOne(trainer))
@@ -66,7 +75,7 @@ def run(pair: str, out: str, spec: str) -> dict:
         record["global_step"] = trainer.state.global_step
     else:
         trainer.train()
-        if name == "live":
+        if name in ("live", "generate"):
             record["eval"] = trainer.evaluate()
     record["log"] = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
     return record

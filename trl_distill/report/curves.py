@@ -7,12 +7,14 @@ from .history import RunHistory
 
 TITLE = "trl-distill report"  # the PNG's Title chunk: `write.write_report` knows its own pictures by it
 
-# (panel title, the logged series it draws, y label)
+# (panel title, the logged series it draws, y label); a name ending in "*" draws every series it begins
 PANELS = (
     ("loss", ("loss", "kd_loss", "ce_loss"), "training loss"),
     ("agreement", ("top1_agreement", "eval_top1_agreement"), "top-1 agreement with the teacher"),
     ("KL", ("kl_teacher_student", "eval_kl_teacher_student"), "KL(teacher ‖ student), T = 1"),
     ("eval", ("eval_loss", "eval_kd_loss", "eval_ce_loss"), "evaluation loss"),
+    ("generation", ("eval_pass@*", "eval_rewards/*"), "held-out prompts: pass@k, verifier means"),
+    ("samples", ("eval_teacher_nll",), "teacher NLL of the student's samples"),
 )
 PANEL_INCHES, DPI = (5.0, 3.5), 100
 
@@ -20,7 +22,9 @@ PANEL_INCHES, DPI = (5.0, 3.5), 100
 def panels_of(history: RunHistory) -> list[tuple[str, list[str], str]]:
     """The panels this run has something to draw in, with the series each draws."""
     found = []
-    for title, names, label in PANELS:
+    for title, patterns, label in PANELS:
+        names = [n for p in patterns for n in (sorted(s for s in history.series if s.startswith(p[:-1]))
+                                                  if p.endswith("*") else [p])]
         present = [name for name in names if history.values(name)]
         if present:
             found.append((title, present, label))

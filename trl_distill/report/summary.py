@@ -19,8 +19,13 @@ def number(value: float) -> str:
     return f"{value:.6g}"
 
 
+def higher_is_better(name: str) -> bool:
+    """A rate of agreement or of passing (pass@k, a verifier's mean): the best is the highest."""
+    return name in HIGHER_IS_BETTER or "pass@" in name or "rewards/" in name
+
+
 def _best(name: str, series: list[tuple[int, float]]) -> tuple[int, float]:
-    pick = max if name in HIGHER_IS_BETTER else min
+    pick = max if higher_is_better(name) else min
     return pick(series, key=lambda point: point[1])
 
 
@@ -45,7 +50,8 @@ def summary(history: RunHistory, picture: str | None = None) -> str:
         series = history.values(name)
         (s0, v0), (s1, v1), (sb, vb) = series[0], series[-1], _best(name, series)
         lines.append(f"| {name} | {number(v0)} ({s0}) | {number(v1)} ({s1}) | {number(vb)} ({sb}) |")
-    evals = sorted(n for n in history.series if n.startswith("eval_") and not n.endswith(("_runtime", "_per_second")))
+    evals = sorted(n for n in history.series if n.startswith("eval_")
+                   and not n.endswith(("_runtime", "_per_second", "_generation_prompts")))
     lines.append("")
     if evals:
         step, best = _best("eval_loss", history.values("eval_loss")) if history.values("eval_loss") else (None, None)

@@ -16,6 +16,7 @@ import torch
 from ..errors import ExternalError
 from ..runtime.distributed import first_failure
 from .engine_client import RolloutServerClient, RolloutServerError, server_url
+from .sampling import Sampling
 from .weight_sync import EngineWeightSync
 
 # What `take_stats` counts: rows and tokens sampled, rows ended by EOS, the sum of the engine's log-probs of the
@@ -78,32 +79,43 @@ class EngineRollouts:
         self.synced_step = step
         self.seconds["sync"] += self.sync.take_seconds()
 
-    def sample(self, prompts: list[torch.Tensor], eos_ids: list[int]) -> tuple[list[torch.Tensor], list[list[float]]]:
+    def sample(self, prompts: list[torch.Tensor], eos_ids: list[int],
+               sampling: Sampling | None = None) -> tuple[list[torch.Tensor], list[list[float]]]:
         """One completion per prompt, by the student as of this optimizer step (synced first when due), and the
-        engine's log-prob of each of its tokens."""
+        engine's log-prob of each of its tokens. `sampling` (evaluation): its settings and seed instead of
+        training's; the server is synced to the current step first, and nothing is counted for the training logs."""
         trainer, args = self.trainer, self.trainer.args
         step = trainer.state.global_step
         if self.syncs and self.sync is None:
             self._connect()
-        if self.syncs and (self.synced_step is None or (step != self.synced_step and step % args.vllm_sync_steps == 0)):
+        due = self.synced_step is None or step != self.synced_step and (
+            sampling is not None or step % args.vllm_sync_steps == 0)
+        if self.syncs and due:
             self._push(step)
-        micro = self.micro[1] if self.micro[0] == step else 0
-        self.micro = (step, micro + 1)
-        rank = trainer.accelerator.process_index
-        seeds = [row_seed(args.seed + self.salt, step, rank, micro, row) for row in range(len(prompts))]
+        if sampling is None:
+            micro = self.micro[1] if self.micro[0] == step else 0
+            self.micro = (step, micro + 1)
+            rank = trainer.accelerator.process_index
+            seeds = [row_seed(args.seed + self.salt, step, rank, micro, row) for row in range(len(prompts))]
+            sampling = Sampling.from_args(args)
+            counted = True
+        else:
+            seeds = [row_seed(sampling.seed, 0, 0, 0, row) for row in range(len(prompts))]
+            counted = False
         started, rollouts, failure = time.perf_counter(), [], None
         try:
-            rollouts = self.client.sample([p.tolist() for p in prompts], seeds, max_tokens=args.max_new_tokens,
-                                          temperature=args.generation_temperature, top_p=args.generation_top_p,
-                                          top_k=args.generation_top_k, stop_token_ids=eos_ids)
+            rollouts = self.client.sample([p.tolist() for p in prompts], seeds, max_tokens=sampling.max_new_tokens,
+                                          temperature=sampling.temperature, top_p=sampling.top_p,
+                                          top_k=sampling.top_k, stop_token_ids=eos_ids)
         except (ExternalError, ValueError) as error:
             failure = error
         self._stop(None if failure is None else str(failure), failure)
-        self.seconds["generate"] += time.perf_counter() - started
-        self.counts["rows"] += len(rollouts)
-        self.counts["tokens"] += sum(len(r.token_ids) for r in rollouts)
-        self.counts["ended"] += sum(r.ended for r in rollouts)
-        self.counts["logprob"] += sum(sum(r.logprobs) for r in rollouts)
+        if counted:
+            self.seconds["generate"] += time.perf_counter() - started
+            self.counts["rows"] += len(rollouts)
+            self.counts["tokens"] += sum(len(r.token_ids) for r in rollouts)
+            self.counts["ended"] += sum(r.ended for r in rollouts)
+            self.counts["logprob"] += sum(sum(r.logprobs) for r in rollouts)
         device = prompts[0].device
         return [torch.tensor(r.token_ids, dtype=prompts[0].dtype, device=device) for r in rollouts], [
             r.logprobs for r in rollouts]

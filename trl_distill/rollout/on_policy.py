@@ -17,6 +17,7 @@ import torch
 
 from ..compat import prepare_inputs
 from ..loss.rollout_correction import RolloutCorrection
+from .sampling import Sampling, seeded
 
 if TYPE_CHECKING:  # the rollout server's client and weight sync: imported by a run that uses one
     from .engine_rollouts import EngineRollouts
@@ -59,19 +60,27 @@ def prompts_of(batch: dict) -> list[torch.Tensor]:
 def check_sampling_prompts(dataset, args) -> None:
     """Before training: one clear error when completions are to be sampled (`lmbda` > 0, `seq_kd`) and prepared rows
     have no prompt to sample from (their first token already carries loss), with their count."""
-    if not (args.lmbda > 0 or args.seq_kd) or not hasattr(dataset, "data") or "labels" not in dataset.column_names:
+    if not (args.lmbda > 0 or args.seq_kd):
         return
-    import pyarrow.compute as pc
-
-    labels = dataset.data.column("labels")
-    lengths = pc.list_value_length(labels)
-    first = pc.list_element(pc.filter(labels, pc.greater(lengths, 0)), 0)
-    bare = int(pc.sum(pc.not_equal(first, -100)).as_py() or 0)
+    bare = promptless_rows(dataset)
     if bare:
         raise ValueError(
             f"Sampled completions (lmbda > 0 or seq_kd) need prompts, and {bare} of the {len(dataset)} prepared train "
             "rows have none (an empty prompt, or language-modeling text: every token carries loss). Give each row "
             "a prompt (a prompt-completion or conversational dataset), or filter those rows out.")
+
+
+def promptless_rows(dataset) -> int:
+    """How many prepared rows have no prompt: their first token already carries loss (0 for a dataset that is not
+    a prepared `datasets.Dataset`)."""
+    if not hasattr(dataset, "data") or "labels" not in dataset.column_names:
+        return 0
+    import pyarrow.compute as pc
+
+    labels = dataset.data.column("labels")
+    lengths = pc.list_value_length(labels)
+    first = pc.list_element(pc.filter(labels, pc.greater(lengths, 0)), 0)
+    return int(pc.sum(pc.not_equal(first, -100)).as_py() or 0)
 
 
 def split_prompts(input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
@@ -172,6 +181,11 @@ class CompletionSampler:
         self.since = time.perf_counter()  # the start of the span the next log covers
 
     @property
+    def tokenizer(self):
+        """The student's tokenizer (a processor's)."""
+        return getattr(self.trainer.processing_class, "tokenizer", self.trainer.processing_class)
+
+    @property
     def active(self) -> bool:
         return self.trainer.args.lmbda > 0 or self.trainer.args.seq_kd
 
@@ -187,7 +201,7 @@ class CompletionSampler:
         self.stats["on_policy"] += source == STUDENT
         self.stats["rows"] += len(completions)
         self.stats["tokens"] += sum(len(c) for c in completions)
-        tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+        tokenizer = self.tokenizer
         self.stats["ended"] += sum(len(c) > 0 and int(c[-1]) == tokenizer.eos_token_id for c in completions)
         for completion in completions:
             grams, repeated = repeated_ngrams(completion.tolist())
@@ -195,17 +209,17 @@ class CompletionSampler:
             self.stats["repeated"] += repeated
         return inputs, True
 
-    def sample(self, source: str, batch: dict) -> tuple[dict, list[torch.Tensor]]:
-        """`batch` with its completions sampled by `source` (the student or the teacher), and those completions."""
-        trainer, args = self.trainer, self.trainer.args
-        tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+    def sample(self, source: str, batch: dict, sampling: Sampling | None = None,
+               score: bool = True) -> tuple[dict, list[torch.Tensor]]:
+        """`batch` with its completions sampled by `source` (the student or the teacher), and those completions.
+        `sampling`: other settings than training's (evaluation); `score`: have the teacher score the new rows."""
+        trainer, tokenizer = self.trainer, self.tokenizer
         eos_ids = {tokenizer.eos_token_id}
-        kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=True, temperature=args.generation_temperature,
-                      top_p=args.generation_top_p, top_k=args.generation_top_k, eos_token_id=sorted(eos_ids))
+        kwargs = (sampling or Sampling.from_args(trainer.args)).generate_kwargs(sorted(eos_ids))
         engine = self._engine_for(source)
         if engine is not None:  # a vLLM server samples: the student's rollout server, or a served teacher's
             prompts = prompts_of(batch)
-            completions, logprobs = engine.sample(prompts, sorted(eos_ids))
+            completions, logprobs = engine.sample(prompts, sorted(eos_ids), sampling)
             new_batch = completion_batch(prompts, completions, tokenizer.pad_token_id)
             if engine is self.engine:  # the student's own log-probs, as the engine computed them: the loss's gap
                 new_batch[ROLLOUT] = EngineLogprobs(torch.tensor([x for row in logprobs for x in row]))
@@ -217,10 +231,12 @@ class CompletionSampler:
                 synced = processes > 1 and plugin is not None and plugin.zero_stage == 3
             else:
                 model, context, synced = trainer.teacher.generation(processes)
-            new_batch, completions = sample_completions(model, batch, kwargs, tokenizer.pad_token_id, eos_ids,
-                                                        synced, context)
+            with seeded(sampling.seed if sampling is not None else None, batch["input_ids"].device):
+                new_batch, completions = sample_completions(model, batch, kwargs, tokenizer.pad_token_id, eos_ids,
+                                                            synced, context)
             new_batch = {k: v.to(batch["input_ids"].device) for k, v in new_batch.items()}
-        trainer.teacher.score_sampled(new_batch, batch)
+        if score:
+            trainer.teacher.score_sampled(new_batch, batch)
         return new_batch, completions
 
     def _engine_for(self, source: str) -> EngineRollouts | None:

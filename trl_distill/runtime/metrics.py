@@ -6,6 +6,8 @@ the teacher at the first step and releases what the teacher holds at its end."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import TrainerCallback
 
@@ -29,6 +31,7 @@ class DistillMetrics:
         self.evaluated = LossDiagnostics(trainer.args.device)  # evaluation: the whole set
         self.first_step = LossDiagnostics(trainer.args.device)  # a fresh run's first step, dataset rows only
         self.pending: LossDiagnostics | None = None  # the current micro-batch's, filled by the fused loss
+        self.scoring: LossDiagnostics | None = None  # sampled rows scored for the generation eval (`scoring_samples`)
 
     def diagnostics(self) -> LossDiagnostics | None:
         """A fresh accumulator for the fused loss of one micro-batch, or None when this one is not measured."""
@@ -40,6 +43,8 @@ class DistillMetrics:
         step with `distill_metrics_every_step`, else on the steps that are logged (and a fresh run's first, for the
         teacher check), every micro-batch of them."""
         args = self.trainer.args
+        if self.scoring is not None:
+            return True
         if not args.log_distill_metrics:
             return False
         if not self.trainer.model.training or args.distill_metrics_every_step:
@@ -61,6 +66,10 @@ class DistillMetrics:
         """After one micro-batch's loss: its terms, its diagnostics (`on_policy`: the student sampled its
         completions) and, in training, the non-finite guard (collective)."""
         trainer, pending, self.pending = self.trainer, self.pending, None
+        if self.scoring is not None:  # the generation eval's samples: their diagnostics only, apart from the loss's
+            if pending is not None:
+                self.scoring.merge(pending)
+            return
         if pending is not None and on_policy:
             pending.copy_as("teacher_ce", "on_policy_teacher_logprob", sign=-1.0)
             pending.copy_as("student_entropy", "on_policy_student_entropy")
@@ -126,6 +135,16 @@ class DistillMetrics:
             totals = self.trainer.accelerator.reduce(totals, reduction="sum")
         means = diagnostics.means(*totals.chunk(2))
         return means if internal else {k: v for k, v in means.items() if k not in INTERNAL}
+
+    @contextlib.contextmanager
+    def scoring_samples(self):
+        """Inside: each loss's diagnostics go into the yielded `LossDiagnostics` (the teacher's CE of sampled rows
+        is its NLL of them) and nothing into the logged metrics."""
+        self.scoring = LossDiagnostics(self.trainer.args.device)
+        try:
+            yield self.scoring
+        finally:
+            self.scoring = None
 
     def start_evaluation(self) -> None:
         self.evaluated.reset()

@@ -138,6 +138,12 @@ class TeacherSource(ABC):
         batch itself)."""
         return None
 
+    @property
+    def scores_samples(self) -> bool:
+        """Whether it can score rows the student sampled (`score_sampled`, then `for_batch`): a kind that serves
+        on-policy distillation can. The generation eval asks it for its NLL of the student's completions."""
+        return "on-policy" not in self.refused
+
     def sampling_server(self):
         """A vLLM server that samples in this teacher's stead (`seq_kd`; an `engine_client.RolloutServerClient`), or
         None: it samples with HF `generate` (`generation`)."""

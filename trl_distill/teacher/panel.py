@@ -33,6 +33,8 @@ class TeacherPanel(TeacherSource):
     cache_refusal = ("`trl-distill cache-teacher` writes one teacher's cache: run it once per teacher, with that "
                      "teacher's --teacher_model_name_or_path or --teacher_server.")
 
+    scores_samples = False  # several teachers distil on the dataset's completions only (`specs.check_teachers`)
+
     def __init__(self, members: dict[str, TeacherSource], combine: str = "route", weights: list[float] | None = None,
                  column: str = "teacher"):
         self.members, self.combine, self.weights, self.column = members, combine, weights, column

@@ -1,0 +1,185 @@
+"""Generation-based evaluation: the student completes the eval split's prompts, verifiers score each completion, and
+the teacher scores the student's own samples (its per-token NLL of them).
+
+The eval rows are cut into batches of `per_device_eval_batch_size` in order, and batch ``b`` goes to rank
+``b % world``: a batch holds the same rows whatever the process count, and its samples come from a seed of its own
+(``seed``, batch, generation), so 2 processes log what 1 does. Every rank runs as many rounds as the busiest one
+(repeating its first batch, uncounted, when it has run out): generating from a ZeRO-3 model and scoring with a
+partitioned teacher are collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..loss.diagnostics import LossDiagnostics
+from ..rollout.sampling import Sampling
+from .verifiers import ANSWER_COLUMNS, Verifier, resolve_verifiers, uses_answer_column
+
+logger = logging.getLogger("trl_distill")
+
+# The per-rank sums an evaluation adds up (then reduced over ranks): prompts, Σ c/n (pass@1), Σ [c > 0] (pass@n),
+# completions, their tokens, those ended by EOS; then each verifier's score sum and count.
+_FIXED = ("prompts", "pass_1", "pass_n", "completions", "tokens", "ended")
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of one prompt with `c` of `n` completions correct (Chen et al., 2021):
+    ``1 - C(n - c, k) / C(n, k)``."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def _before_first_answer(messages: list[dict]) -> list[dict]:
+    roles = [m.get("role") for m in messages]
+    return messages[: roles.index("assistant")] if "assistant" in roles else messages
+
+
+@dataclass
+class EvalSettings:
+    """What one generation-based evaluation needs from the run's arguments."""
+
+    verifiers: list[Verifier]
+    answer_column: str | None
+    num_generations: int
+    sampling: Sampling
+    batch_size: int
+    max_prompts: int | None
+    seed: int
+
+
+def eval_settings(args, sampling: Sampling, dataset) -> EvalSettings:
+    """The settings for `dataset` (a prepared eval split): the built-ins' answer column picked and checked."""
+    column = args.eval_answer_column
+    if uses_answer_column(args.eval_reward_funcs):
+        names = dataset.column_names
+        if column is None:
+            column = next((c for c in ANSWER_COLUMNS if c in names), None)
+        if column is None or column not in names:
+            wanted = repr(column) if column else " or ".join(map(repr, ANSWER_COLUMNS))
+            raise ValueError(f"The built-in verifiers of eval_reward_funcs compare with an answer column, and the eval "
+                             f"split has no {wanted} column (it has: {', '.join(names)}): add one, or name it with "
+                             "--eval_answer_column.")
+    verifiers = resolve_verifiers(args.eval_reward_funcs, column or "answer", args.eval_answer_pattern)
+    return EvalSettings(verifiers, column, args.num_generations_eval, sampling, args.per_device_eval_batch_size,
+                        args.eval_generation_prompts, args.seed)
+
+
+class GenerationEvaluation:
+    """One run's generation-based evaluation. It is handed what it calls, not the trainer:
+
+    - `collate(indices)`: the prepared eval rows at `indices`, collated as the trainer collates them;
+    - `sample(batch, sampling)`: ``(new_batch, completions)``, the student's completions of the batch's prompts;
+    - `score(new_batch)`: the teacher's diagnostics of the sampled rows (`LossDiagnostics`); None instead of a
+      function when the run's teacher cannot score sampled rows (a cache, several teachers, none);
+    - `reduce(tensor)`: the sum over ranks (collective).
+    """
+
+    def __init__(self, settings: EvalSettings, tokenizer, process_index: int, num_processes: int,
+                 collate: Callable, sample: Callable, score: Callable, reduce: Callable, conversational: bool):
+        self.settings, self.tokenizer = settings, tokenizer
+        self.rank, self.world = process_index, num_processes
+        self.collate, self.sample, self.score, self.reduce = collate, sample, score, reduce
+        self.conversational = conversational
+
+    def batches(self, rows: int) -> list[range]:
+        size = self.settings.batch_size
+        return [range(start, min(start + size, rows)) for start in range(0, rows, size)]
+
+    def check(self, dataset) -> None:
+        """Before training (every rank alike): each verifier on the split's first rows, their reference completions
+        standing in for the student's, so a verifier that raises or miscounts is one line now, not at the first
+        evaluation."""
+        rows = dataset.select(range(min(2, len(dataset))))
+        prompts, columns = self.prompts_and_columns(rows)
+        if "completion" in columns:
+            completions = list(columns["completion"])
+        else:
+            completions = ["" for _ in prompts]
+            completions = [[{"role": "assistant", "content": ""}] for _ in prompts] if self.conversational \
+                else completions
+        for verifier in self.settings.verifiers:
+            verifier.score(prompts, completions, columns, completion_ids=[[] for _ in prompts])
+
+    def prompts_and_columns(self, rows) -> tuple[list, dict]:
+        columns = {name: rows[name] for name in rows.column_names}
+        prompts = columns.get("prompt")
+        if prompts is None:  # conversational rows: the messages before the first assistant turn (what is completed)
+            prompts = [_before_first_answer(m) for m in columns["messages"]] if "messages" in columns \
+                else [None] * len(rows)
+        return prompts, columns
+
+    def completion_texts(self, completions: list[torch.Tensor]) -> tuple[list, list[list[int]]]:
+        eos = self.tokenizer.eos_token_id
+        ids = [c.tolist() for c in completions]
+        texts = [self.tokenizer.decode([t for t in row if t != eos], skip_special_tokens=True) for row in ids]
+        if self.conversational:
+            return [[{"role": "assistant", "content": text}] for text in texts], ids
+        return texts, ids
+
+    @torch.no_grad()
+    def run(self, dataset) -> dict[str, float]:
+        """Generate, verify and score over `dataset` (collective); the metrics, without the ``eval_`` prefix."""
+        settings, started = self.settings, time.perf_counter()
+        rows = len(dataset) if settings.max_prompts is None else min(len(dataset), settings.max_prompts)
+        batches = self.batches(rows)
+        n, names = settings.num_generations, [v.name for v in settings.verifiers]
+        sums = torch.zeros(len(_FIXED) + 2 * len(names), dtype=torch.float64)
+        scored = LossDiagnostics("cpu")
+        for round_ in range(math.ceil(len(batches) / self.world) if batches else 0):
+            index = round_ * self.world + self.rank
+            counted = index < len(batches)
+            rows_of = batches[index if counted else 0]
+            subset = dataset.select(rows_of)
+            batch = self.collate(rows_of)
+            prompts, columns = self.prompts_and_columns(subset)
+            correct = torch.zeros(len(rows_of), dtype=torch.float64)
+            for generation in range(n):
+                seed = (settings.seed * 1_000_003 + index * 1_009 + generation) & (2**62 - 1)
+                sampling = Sampling(settings.sampling.max_new_tokens, settings.sampling.temperature,
+                                    settings.sampling.top_p, settings.sampling.top_k, seed)
+                new_batch, completions = self.sample(batch, sampling)
+                measured = self.score(new_batch) if self.score is not None else None
+                if not counted:
+                    continue
+                if measured is not None:
+                    scored.merge(measured)
+                texts, ids = self.completion_texts(completions)
+                sums[3] += len(ids)
+                sums[4] += sum(len(row) for row in ids)
+                sums[5] += sum(bool(row) and row[-1] == self.tokenizer.eos_token_id for row in ids)
+                for i, verifier in enumerate(settings.verifiers):
+                    scores = verifier.score(prompts, texts, columns, completion_ids=ids)
+                    valid = [s for s in scores if s is not None]
+                    sums[len(_FIXED) + 2 * i] += sum(valid)
+                    sums[len(_FIXED) + 2 * i + 1] += len(valid)
+                    if i == 0:
+                        correct += torch.tensor([s is not None and s >= 1.0 for s in scores], dtype=torch.float64)
+            if counted:
+                sums[0] += len(rows_of)
+                sums[1] += float((correct / n).sum())
+                sums[2] += sum(pass_at_k(n, int(c), n) for c in correct.tolist())
+        totals = self.reduce(torch.cat([sums, scored.sums, scored.counts]))
+        fixed, verified = totals[: len(_FIXED)].tolist(), totals[len(_FIXED): len(sums)].tolist()
+        prompts = max(fixed[0], 1.0)
+        metrics = {"pass@1": fixed[1] / prompts}
+        if n > 1:
+            metrics[f"pass@{n}"] = fixed[2] / prompts
+        for i, name in enumerate(names):
+            if verified[2 * i + 1] > 0:
+                metrics[f"rewards/{name}/mean"] = verified[2 * i] / verified[2 * i + 1]
+        metrics["generated_length"] = fixed[4] / max(fixed[3], 1.0)
+        metrics["eos_rate"] = fixed[5] / max(fixed[3], 1.0)
+        teacher = scored.means(*totals[len(sums):].chunk(2))
+        if "teacher_ce" in teacher:
+            metrics["teacher_nll"] = teacher["teacher_ce"]
+        metrics["generation_prompts"] = fixed[0]
+        metrics["generation_runtime"] = time.perf_counter() - started
+        return metrics
