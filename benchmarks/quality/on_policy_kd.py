@@ -1,20 +1,24 @@
-"""Does on-policy distillation help here? Students distilled on their own samples (GKD) vs off-policy and SFT-only.
+"""Does on-policy distillation pay? Students judged by what they generate on a task with a checkable answer.
 
     make experiment-on-policy   # also run by `make experiment`
     python benchmarks/quality/on_policy_kd.py [--smoke] [--output_dir DIR] [--work_dir DIR]
 
-Like `kd_vs_sft.py` (same corpus, model sizes, recipe and CLI runs), on prompt–completion rows: each stdlib piece is
-cut at the line break nearest a third of it, the prompt before, the completion after.
+The task: 2-digit multiplication worked out step by step (`arithmetic_task.py`: about 40 one-character tokens a
+completion; held-out prompts never trained on), scored by the `last_number` verifier. Every run is the `trl-distill`
+CLI (one process, one thread, two runs at a time), its held-out curve from its own generation eval
+(``--eval_reward_funcs last_number``: pass@1 on the first `curve_prompts` test prompts, greedy, every `eval_every`
+steps).
 
-1. The teacher (trained as in `kd_vs_sft.py`, ``--alpha 0`` on the whole pieces, one pass). Prompts are at most 96
-   characters, so a prompt and its sampled completion fit the models' 128 positions.
-2. Students, 3 seeds, each method from the same initial weights and data order per seed:
-   SFT-only (``--alpha 0``); off-policy forward KL (``--alpha 1``, the dataset's completions); on-policy
-   (``--lmbda 1``: every step's completions sampled by the student with its HF `generate`, ``max_new_tokens`` 48)
-   with reverse KL and with JSD; mixed (``--lmbda 0.5``, reverse KL); and on-policy reverse KL against the teacher
-   served by vLLM (``--teacher_server``, its top-64 on the sampled rows, `make vllm-env`).
-3. Held-out: the completions of held-out files' pieces after their prompts: the student's cross-entropy on them
-   (nats per completion token), paired per seed against SFT-only and against off-policy forward KL.
+1. The teacher (Llama, 2 layers, hidden 128) trained with ``--alpha 0`` to high held-out pass@1.
+2. Per seed, a smaller student (hidden 32, one head of 32: vLLM's CPU attention takes it) SFT-warm-started for
+   `warm_steps` (``--alpha 0``, no teacher) to partial accuracy.
+3. From that warm checkpoint and the same data order, `steps` more steps of each method: SFT-only (``--alpha 0``,
+   the teacher loaded only to score samples), off-policy forward KL, on-policy reverse KL (``--lmbda 1``, HF
+   `generate`; and from a vLLM rollout server, ``--use_vllm``), mixed λ = 0.5 reverse KL, on-policy JSD.
+4. Scored at the end on every test prompt, greedy: pass@1 (per prompt, so two methods are compared on the same
+   prompts: the standard error of their difference is the paired one), the teacher's NLL per token of the student's
+   completions (from ``teacher(...).logits``), and the teacher-forced CE on the test completions (``eval_ce_loss``).
+   The curves give the area under pass@1 and pass@1 at equal wall-clock time (the SFT run's).
 
 Writes `on_policy_kd.{json,md}` to --output_dir (default benchmarks/quality/results) and the table into
 docs/benchmarks.md between ``<!-- experiment:on-policy:start -->`` and ``<!-- experiment:on-policy:end -->``.
@@ -24,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,54 +36,89 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))  # benchmarks/
 
+import arithmetic_task  # noqa: E402
 from _common import machine, replace_readme_block  # noqa: E402
-from kd_vs_sft import MAX_LENGTH, PLANS, cli, prepare, say  # noqa: E402
-from stdlib_corpus import build as build_corpus  # noqa: E402
+from kd_vs_sft import cli, say  # noqa: E402
+from on_policy_report import curve_of, markdown, summarize  # noqa: E402
 
 README_MARKERS = ("<!-- experiment:on-policy:start -->", "<!-- experiment:on-policy:end -->")
-NEW_TOKENS = 48  # prompt (<= 96 characters) + sampled tokens stay inside the models' 128 positions
-METHODS = {  # name: (alpha, divergence, extra CLI flags; "served": against the teacher's vLLM server)
+NEW_TOKENS = 48  # a completion is about 40 tokens and its EOS
+SIZES = {
+    "teacher": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4),
+    "student": dict(hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=1),
+}
+METHODS = {  # name: (alpha, divergence, extra CLI flags; "vllm": the student's rollouts from a vLLM server)
     "sft": (0.0, "forward_kl", {}),
     "off-policy forward KL": (1.0, "forward_kl", {}),
     "on-policy reverse KL": (1.0, "reverse_kl", {"lmbda": 1.0}),
-    "on-policy JSD": (1.0, "jsd", {"lmbda": 1.0}),
+    "on-policy reverse KL, vLLM rollouts": (1.0, "reverse_kl", {"lmbda": 1.0, "vllm": True}),
     "mixed λ=0.5 reverse KL": (1.0, "reverse_kl", {"lmbda": 0.5}),
-    "on-policy reverse KL, served teacher": (1.0, "reverse_kl", {"lmbda": 1.0, "served": True}),
+    "on-policy JSD": (1.0, "jsd", {"lmbda": 1.0}),
 }
-SMOKE_METHODS = ["sft", "on-policy reverse KL"]
+PLANS = {
+    "full": dict(seeds=[1, 2, 3], train_rows=100000, test_rows=1000, curve_prompts=200, teacher_steps=5000,
+                 teacher_batch=32, warm_steps=1200, steps=800, batch=32, eval_every=100, methods=list(METHODS)),
+    "smoke": dict(seeds=[1], train_rows=400, test_rows=12, curve_prompts=6, teacher_steps=8, teacher_batch=8,
+                  warm_steps=4, steps=4, batch=4, eval_every=2, methods=["sft", "on-policy reverse KL"]),
+}
 
 
-def split(text: str) -> dict:
-    """A piece as prompt–completion: cut at the line break nearest a third of it, at most 96 characters in (else
-    there)."""
-    third = min(len(text) // 3, 96)
-    breaks = [i + 1 for i, c in enumerate(text) if c == "\n" and i + 1 <= 96 and i + 1 < len(text) - 8
-              and text[: i + 1].strip()]  # a prompt with something in it
-    cut = min(breaks, key=lambda i: abs(i - third)) if breaks else max(third, len(text) - len(text.lstrip()) + 1)
-    return {"prompt": text[:cut], "completion": text[cut:]}
+def prepare(work: Path, plan: dict) -> dict[str, Path]:
+    """The task's splits, its one-character tokenizer, the untrained teacher and one untrained student per seed."""
+    from trl_distill.testing import build_tiny_model
+
+    paths = arithmetic_task.write(work / "data", plan["train_rows"], plan["test_rows"])
+    tokenizer = arithmetic_task.tokenizer()
+    models = {"teacher_init": build_tiny_model(tokenizer, "teacher", seed=0, **SIZES["teacher"])}
+    for seed in plan["seeds"]:
+        models[f"student_init_{seed}"] = build_tiny_model(tokenizer, "student", seed=seed, **SIZES["student"])
+    for key, model in models.items():
+        paths[key] = work / "init" / key
+        model.save_pretrained(paths[key])
+        tokenizer.save_pretrained(paths[key])
+    return paths
 
 
 @torch.no_grad()
-def completion_ce(model_dir: Path, rows: list[dict]) -> float:
-    """Mean cross-entropy (nats) of the model on the completion tokens of `rows`, after their prompts."""
+def score(model_dir: Path, teacher_dir: Path, rows: list[dict], batch: int = 100) -> dict:
+    """Greedy completions of every test prompt: which pass `last_number`, and the teacher's NLL of them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer, model = AutoTokenizer.from_pretrained(model_dir), AutoModelForCausalLM.from_pretrained(model_dir)
-    total, count = 0.0, 0
-    for row in rows:
-        prompt = tokenizer(row["prompt"])["input_ids"]
-        ids = (prompt + tokenizer(row["completion"], add_special_tokens=False)["input_ids"])[:MAX_LENGTH]
-        if len(ids) <= len(prompt):
-            continue
-        logits = model.eval()(torch.tensor([ids])).logits[0, :-1].float()
-        target = torch.tensor(ids[1:])
-        losses = torch.nn.functional.cross_entropy(logits, target, reduction="none")[len(prompt) - 1:]
-        total, count = total + losses.sum().item(), count + losses.numel()
-    return total / count
+    from trl_distill.evaluation.verifiers import resolve_verifiers
+
+    (verifier,) = resolve_verifiers(["last_number"], "answer", None)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
+    passed, nll, tokens, started = [], 0.0, 0, time.perf_counter()
+    for start in range(0, len(rows), batch):
+        chunk = rows[start: start + batch]
+        prompts = [tokenizer(r["prompt"])["input_ids"] for r in chunk]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)[:, width:]
+        texts = []
+        for prompt, row in zip(prompts, out.tolist(), strict=True):
+            row = row[: row.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in row else row
+            texts.append(tokenizer.decode(row, skip_special_tokens=True))
+            full = torch.tensor([prompt + row])
+            logits = teacher(full).logits[0, len(prompt) - 1: -1]
+            nll += torch.nn.functional.cross_entropy(logits, full[0, len(prompt):], reduction="sum").item()
+            tokens += len(row)
+        passed += verifier.score([r["prompt"] for r in chunk], texts, {"answer": [r["answer"] for r in chunk]})
+    return {"passed": passed, "pass@1": sum(passed) / len(passed), "teacher_nll": nll / max(tokens, 1),
+            "score_seconds": time.perf_counter() - started}
+
+
+def eval_flags(plan: dict) -> dict:
+    return {"eval_strategy": "steps", "eval_steps": plan["eval_every"], "dataset_test_split": "test",
+            "eval_reward_funcs": "last_number", "eval_generation_prompts": plan["curve_prompts"],
+            "eval_max_new_tokens": NEW_TOKENS, "per_device_eval_batch_size": 50, "max_new_tokens": NEW_TOKENS}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,103 +128,73 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work_dir", default=None)
     args = parser.parse_args(argv)
     plan = dict(PLANS["smoke" if args.smoke else "full"])
-    methods = SMOKE_METHODS if args.smoke else list(METHODS)
-    work = Path(args.work_dir or ROOT / "outputs" / ("on_policy_kd_smoke" if args.smoke else "on_policy_kd")).resolve()
+    work = Path(args.work_dir or HERE.parents[1] / "outputs" / ("on_policy_kd_smoke" if args.smoke else "on_policy_kd"))
+    work = work.resolve()
     torch.set_num_threads(1)
-    from datasets import Dataset, load_dataset
+    from datasets import load_dataset
 
     begin = time.time()
-    data = work / "corpus"
-    build_corpus(data, max_chars=plan["max_chars"], train_pieces=plan["train_pieces"],
-                 heldout_pieces=plan["heldout_pieces"])
-    corpus = load_dataset("json", data_files={s: str(data / f"{s}.jsonl") for s in ("train", "heldout")})
-    rows = {name: [split(t) for t in corpus[name]["text"]] for name in ("train", "heldout")}
-    Dataset.from_list(rows["train"]).to_json(str(data / "train_prompt_completion.jsonl"))
-    paths = prepare(work, plan, list(corpus["train"]["text"]))
-    teacher, first = work / "teacher", plan["seeds"][0]
-    say("training the teacher on the whole pieces")
-    cli(paths["teacher_init"], paths[f"student_init_{first}"], teacher, data=data / "train.jsonl",
-        steps=plan["teacher_steps"], batch=plan["teacher_batch"], seed=0, alpha=0.0, divergence="forward_kl",
-        save_every=None, learning_rate=plan["teacher_learning_rate"])
+    paths = prepare(work, plan)
+    data = paths["train"].parent
+    test = list(load_dataset("json", data_files=str(paths["test"]), split="train"))
+    teacher = work / "teacher"
+    say(f"training the teacher ({plan['teacher_steps']} steps)")
+    teacher_seconds = cli(paths["teacher_init"], None, teacher, data=data, steps=plan["teacher_steps"],
+                          batch=plan["teacher_batch"], seed=0, alpha=0.0, divergence="forward_kl", save_every=None)
+    teacher_score = score(teacher, teacher, test)
+    say(f"teacher: held-out pass@1 {teacher_score['pass@1']:.3f} ({teacher_seconds:.0f} s)")
+
+    def warm(seed: int) -> dict:
+        out = work / "warm" / f"s{seed}"
+        seconds = cli(paths[f"student_init_{seed}"], None, out, data=data, steps=plan["warm_steps"],
+                      batch=plan["batch"], seed=seed, alpha=0.0, divergence="forward_kl", save_every=None)
+        result = score(out, teacher, test)
+        say(f"warm student seed {seed}: pass@1 {result['pass@1']:.3f} ({seconds:.0f} s)")
+        return {"seed": seed, "seconds": seconds, **result}
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        warmed = list(pool.map(warm, plan["seeds"]))
 
     def student(seed: int, method: str, url: str | None) -> dict:
         alpha, divergence, extra = METHODS[method]
-        extra = {k: v for k, v in extra.items() if k != "served"} | {"max_new_tokens": NEW_TOKENS}
-        init, out = paths[f"student_init_{seed}"], work / "students" / f"{method.replace(' ', '_')}_s{seed}"
-        served = METHODS[method][2].get("served")
-        if served:
-            # the server's context is the models' 128 positions, one of which vLLM's own generated token takes
-            extra |= {"teacher_server": url, "teacher_server_top_k": 64, "max_length": MAX_LENGTH - 1}
-        named = "teacher" if served else teacher if alpha > 0 else init  # a server is asked by its served name
-        seconds = cli(init, named, out, data=data / "train_prompt_completion.jsonl",
-                      steps=plan["steps"], batch=plan["batch"], seed=seed, alpha=alpha, divergence=divergence,
-                      save_every=None, extra=extra)
-        ce = completion_ce(out, rows["heldout"])
-        say(f"{method} seed {seed}: held-out completion CE {ce:.4f} ({seconds:.0f} s)")
-        return {"method": method, "seed": seed, "seconds": seconds, "heldout_ce": ce}
+        flags = {k: v for k, v in extra.items() if k != "vllm"} | eval_flags(plan)
+        if extra.get("vllm"):
+            from trl_distill.testing import free_port
 
-    local = [(s, m) for m in methods if not METHODS[m][2].get("served") for s in plan["seeds"]]
+            flags |= {"use_vllm": True, "vllm_server_base_url": url, "vllm_group_port": free_port()}
+        out = work / "students" / f"{method.replace(' ', '_').replace(',', '')}_s{seed}"
+        seconds = cli(work / "warm" / f"s{seed}", teacher, out, data=data, steps=plan["steps"], batch=plan["batch"],
+                      seed=seed, alpha=alpha, divergence=divergence, save_every=None, extra=flags)
+        result = score(out, teacher, test)
+        say(f"{method} seed {seed}: pass@1 {result['pass@1']:.3f}, teacher NLL {result['teacher_nll']:.3f} "
+            f"({seconds:.0f} s)")
+        return {"method": method, "seed": seed, "seconds": seconds, **result, **curve_of(out)}
+
+    local = [(s, m) for m in plan["methods"] if not METHODS[m][2].get("vllm") for s in plan["seeds"]]
     with ThreadPoolExecutor(max_workers=2) as pool:
         runs = list(pool.map(lambda job: student(*job, None), local))
-    served = [m for m in methods if METHODS[m][2].get("served")]
+    served = [m for m in plan["methods"] if METHODS[m][2].get("vllm")]
     if served:
         from trl_distill.testing import vllm_server
 
-        with vllm_server(teacher, name="teacher") as url:
+        with vllm_server(work / "warm" / f"s{plan['seeds'][0]}", name="student", rollout=True) as url:
             runs += [student(s, m, url) for m in served for s in plan["seeds"]]
-    report = {"plan": plan, "methods": methods, "new_tokens": NEW_TOKENS, "runs": runs,
-              "teacher_heldout_ce": completion_ce(teacher, rows["heldout"]),
-              "initial_student_ce": completion_ce(paths[f"student_init_{first}"], rows["heldout"]),
-              "seconds": time.time() - begin, "machine": machine()}
+    report = {"plan": plan, "sizes": SIZES, "new_tokens": NEW_TOKENS, "runs": runs, "warm": warmed,
+              "teacher": {**teacher_score, "seconds": teacher_seconds}, "seconds": time.time() - begin,
+              "machine": machine()}
     report["summary"] = summarize(report)
+    for run in report["runs"] + report["warm"]:
+        run["passed"] = "".join(str(int(p)) for p in run["passed"])  # kept per prompt, compactly
+    report["teacher"]["passed"] = "".join(str(int(p)) for p in report["teacher"]["passed"])
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = "on_policy_kd" + ("_smoke" if args.smoke else "")
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     table = markdown(report)
-    (out / f"{stem}.md").write_text("# On-policy KD vs off-policy and SFT-only\n\n" + table)
+    (out / f"{stem}.md").write_text("# On-policy KD vs off-policy and SFT-only, judged by generations\n\n" + table)
     if not args.smoke:
         replace_readme_block(README_MARKERS, table)
     print(table)
-
-
-def summarize(report: dict) -> dict:
-    """Per method: mean held-out CE, and per seed its difference to SFT-only and to off-policy forward KL."""
-    by = {(r["method"], r["seed"]): r["heldout_ce"] for r in report["runs"]}
-    seeds = report["plan"]["seeds"]
-    out = {}
-    for method in report["methods"]:
-        row = {"mean": statistics.mean(by[method, s] for s in seeds)}
-        for base in ("sft", "off-policy forward KL"):
-            if base in report["methods"] and base != method:
-                deltas = [by[method, s] - by[base, s] for s in seeds]
-                row[base] = {"deltas": deltas, "better": sum(d < 0 for d in deltas)}
-        out[method] = row
-    return out
-
-
-def markdown(report: dict) -> str:
-    seeds, summary = report["plan"]["seeds"], report["summary"]
-    by = {(r["method"], r["seed"]): r["heldout_ce"] for r in report["runs"]}
-    lines = ["| method | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | vs SFT-only (seeds better) | "
-             "vs off-policy forward KL (seeds better) |", "|---|" + "---|" * (len(seeds) + 3)]
-    def versus(row: dict, base: str) -> str:
-        if base not in row:
-            return "—"
-        return f"{statistics.mean(row[base]['deltas']):+.4f} ({row[base]['better']}/{len(seeds)})"
-
-    for method in report["methods"]:
-        row = summary[method]
-        cells = [f"{by[method, s]:.4f}" for s in seeds]
-        lines.append(f"| {method} | " + " | ".join(cells) + f" | {row['mean']:.4f} | {versus(row, 'sft')} | "
-                     f"{versus(row, 'off-policy forward KL')} |")
-    m, plan = report["machine"], report["plan"]
-    lines += ["", f"Held-out completion cross-entropy (nats per token, after the prompt) on stdlib files never trained "
-              f"on; the teacher {report['teacher_heldout_ce']:.3f}, the untrained student "
-              f"{report['initial_student_ce']:.3f}. Students: {plan['steps']} steps of {plan['batch']} rows, alpha 1 "
-              f"for KD, temperature 1, {report['new_tokens']} new tokens a sampled completion. {m['cpus']} CPUs, "
-              f"torch {m['torch']}, {m['date']}; {report['seconds']:.0f} s in all."]
-    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
