@@ -125,6 +125,8 @@ experiment: setup vllm-env
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality/kd_vs_sft.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality/on_policy_kd.py
 
-# On-policy (GKD) students vs off-policy and SFT-only ones, 3 seeds, the teacher live and served (vLLM)
+# On-policy (GKD) students vs off-policy and SFT-only ones, judged by held-out pass@1 on a verifiable task (2-digit
+# multiplication worked out step by step), from SFT-warm-started students, 3 seeds, HF generate and vLLM rollouts
+# (writes benchmarks/quality/results/on_policy_kd.{json,md} and its table in docs/benchmarks.md)
 experiment-on-policy: setup vllm-env
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality/on_policy_kd.py

@@ -1,7 +1,7 @@
 """Does on-policy distillation pay? Students judged by what they generate on a task with a checkable answer.
 
     make experiment-on-policy   # also run by `make experiment`
-    python benchmarks/quality/on_policy_kd.py [--smoke] [--output_dir DIR] [--work_dir DIR]
+    python benchmarks/quality/on_policy_kd.py [--smoke] [--output_dir DIR] [--work_dir DIR] [--reuse_teacher]
 
 The task: 2-digit multiplication worked out step by step (`arithmetic_task.py`: about 40 one-character tokens a
 completion; held-out prompts never trained on), scored by the `last_number` verifier. Every run is the `trl-distill`
@@ -44,7 +44,8 @@ from _common import machine, replace_readme_block  # noqa: E402
 from kd_vs_sft import cli, say  # noqa: E402
 from on_policy_report import curve_of, markdown, summarize  # noqa: E402
 
-README_MARKERS = ("<!-- experiment:on-policy:start -->", "<!-- experiment:on-policy:end -->")
+MARKERS = {"full": ("<!-- experiment:on-policy:start -->", "<!-- experiment:on-policy:end -->"),
+           "warmer": ("<!-- experiment:on-policy-warmer:start -->", "<!-- experiment:on-policy-warmer:end -->")}
 NEW_TOKENS = 48  # a completion is about 40 tokens and its EOS
 SIZES = {
     "teacher": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4),
@@ -57,10 +58,17 @@ METHODS = {  # name: (alpha, divergence, extra CLI flags; "vllm": the student's 
     "on-policy reverse KL, vLLM rollouts": (1.0, "reverse_kl", {"lmbda": 1.0, "vllm": True}),
     "mixed λ=0.5 reverse KL": (1.0, "reverse_kl", {"lmbda": 0.5}),
     "on-policy JSD": (1.0, "jsd", {"lmbda": 1.0}),
+    "on-policy forward KL": (1.0, "forward_kl", {"lmbda": 1.0}),
 }
+MAIN = ["sft", "off-policy forward KL", "on-policy reverse KL", "on-policy reverse KL, vLLM rollouts",
+        "mixed λ=0.5 reverse KL", "on-policy JSD"]
 PLANS = {
     "full": dict(seeds=[1, 2, 3], train_rows=100000, test_rows=1000, curve_prompts=200, teacher_steps=5000,
-                 teacher_batch=32, warm_steps=1200, steps=800, batch=32, eval_every=100, methods=list(METHODS)),
+                 teacher_batch=32, warm_steps=2000, steps=800, batch=32, eval_every=100, methods=MAIN),
+    # the same from students warm-started twice as long (does on-policy pay from a better student?), fewer methods
+    "warmer": dict(seeds=[1, 2, 3], train_rows=100000, test_rows=1000, curve_prompts=200, teacher_steps=5000,
+                   teacher_batch=32, warm_steps=4000, steps=800, batch=32, eval_every=100,
+                   methods=["sft", "off-policy forward KL", "on-policy reverse KL", "on-policy forward KL"]),
     "smoke": dict(seeds=[1], train_rows=400, test_rows=12, curve_prompts=6, teacher_steps=8, teacher_batch=8,
                   warm_steps=4, steps=4, batch=4, eval_every=2, methods=["sft", "on-policy reverse KL"]),
 }
@@ -124,11 +132,16 @@ def eval_flags(plan: dict) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--plan", choices=["full", "warmer"], default="full",
+                        help="warmer: students warm-started 4000 steps instead of 2000 (4 methods)")
     parser.add_argument("--output_dir", default=str(HERE / "results"))
     parser.add_argument("--work_dir", default=None)
+    parser.add_argument("--reuse_teacher", action="store_true",
+                        help="keep the teacher an earlier run of the same plan trained in --work_dir")
     args = parser.parse_args(argv)
-    plan = dict(PLANS["smoke" if args.smoke else "full"])
-    work = Path(args.work_dir or HERE.parents[1] / "outputs" / ("on_policy_kd_smoke" if args.smoke else "on_policy_kd"))
+    name = "smoke" if args.smoke else args.plan
+    plan = dict(PLANS[name])
+    work = Path(args.work_dir or HERE.parents[1] / "outputs" / f"on_policy_kd_{name}")
     work = work.resolve()
     torch.set_num_threads(1)
     from datasets import load_dataset
@@ -137,15 +150,21 @@ def main(argv: list[str] | None = None) -> None:
     paths = prepare(work, plan)
     data = paths["train"].parent
     test = list(load_dataset("json", data_files=str(paths["test"]), split="train"))
-    teacher = work / "teacher"
-    say(f"training the teacher ({plan['teacher_steps']} steps)")
-    teacher_seconds = cli(paths["teacher_init"], None, teacher, data=data, steps=plan["teacher_steps"],
-                          batch=plan["teacher_batch"], seed=0, alpha=0.0, divergence="forward_kl", save_every=None)
-    teacher_score = score(teacher, teacher, test)
+    teacher, kept = work / "teacher", work / "teacher.json"
+    if args.reuse_teacher and kept.exists():  # the same plan's teacher, trained and scored before: deterministic
+        teacher_seconds, teacher_score = json.loads(kept.read_text())
+        say(f"reusing the teacher in {teacher}")
+    else:
+        say(f"training the teacher ({plan['teacher_steps']} steps)")
+        teacher_seconds = cli(paths["teacher_init"], None, teacher, data=data, steps=plan["teacher_steps"],
+                              batch=plan["teacher_batch"], seed=0, alpha=0.0, divergence="forward_kl",
+                              save_every=None)
+        teacher_score = score(teacher, teacher, test)
+        kept.write_text(json.dumps([teacher_seconds, teacher_score]))
     say(f"teacher: held-out pass@1 {teacher_score['pass@1']:.3f} ({teacher_seconds:.0f} s)")
 
     def warm(seed: int) -> dict:
-        out = work / "warm" / f"s{seed}"
+        out = work / f"warm{plan['warm_steps']}" / f"s{seed}"
         seconds = cli(paths[f"student_init_{seed}"], None, out, data=data, steps=plan["warm_steps"],
                       batch=plan["batch"], seed=seed, alpha=0.0, divergence="forward_kl", save_every=None)
         result = score(out, teacher, test)
@@ -162,9 +181,9 @@ def main(argv: list[str] | None = None) -> None:
             from trl_distill.testing import free_port
 
             flags |= {"use_vllm": True, "vllm_server_base_url": url, "vllm_group_port": free_port()}
-        out = work / "students" / f"{method.replace(' ', '_').replace(',', '')}_s{seed}"
-        seconds = cli(work / "warm" / f"s{seed}", teacher, out, data=data, steps=plan["steps"], batch=plan["batch"],
-                      seed=seed, alpha=alpha, divergence=divergence, save_every=None, extra=flags)
+        out = work / f"students{plan['warm_steps']}" / f"{method.replace(' ', '_').replace(',', '')}_s{seed}"
+        seconds = cli(work / f"warm{plan['warm_steps']}" / f"s{seed}", teacher, out, data=data, steps=plan["steps"],
+                      batch=plan["batch"], seed=seed, alpha=alpha, divergence=divergence, save_every=None, extra=flags)
         result = score(out, teacher, test)
         say(f"{method} seed {seed}: pass@1 {result['pass@1']:.3f}, teacher NLL {result['teacher_nll']:.3f} "
             f"({seconds:.0f} s)")
@@ -177,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     if served:
         from trl_distill.testing import vllm_server
 
-        with vllm_server(work / "warm" / f"s{plan['seeds'][0]}", name="student", rollout=True) as url:
+        with vllm_server(work / f"warm{plan['warm_steps']}" / f"s{plan['seeds'][0]}", name="student",
+                         rollout=True) as url:
             runs += [student(s, m, url) for m in served for s in plan["seeds"]]
     report = {"plan": plan, "sizes": SIZES, "new_tokens": NEW_TOKENS, "runs": runs, "warm": warmed,
               "teacher": {**teacher_score, "seconds": teacher_seconds}, "seconds": time.time() - begin,
@@ -188,12 +208,12 @@ def main(argv: list[str] | None = None) -> None:
     report["teacher"]["passed"] = "".join(str(int(p)) for p in report["teacher"]["passed"])
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "on_policy_kd" + ("_smoke" if args.smoke else "")
+    stem = "on_policy_kd" + ("" if name == "full" else f"_{name}")
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     table = markdown(report)
     (out / f"{stem}.md").write_text("# On-policy KD vs off-policy and SFT-only, judged by generations\n\n" + table)
-    if not args.smoke:
-        replace_readme_block(README_MARKERS, table)
+    if name in MARKERS:
+        replace_readme_block(MARKERS[name], table)
     print(table)
 
 
