@@ -46,8 +46,8 @@ class SyncProbe:
             self.gaps.append(float((served - token_logprobs(model, ids)).abs().max()))
             self.versions.append((step, engine.client.weight_version()))
 
-        def sampling(prompts, eos_ids):
-            completions, logprobs = sample(prompts, eos_ids)
+        def sampling(prompts, eos_ids, settings=None):
+            completions, logprobs = sample(prompts, eos_ids, settings)
             self.sampled.append((trainer.state.global_step, [c.tolist() for c in completions]))
             return completions, logprobs
 
