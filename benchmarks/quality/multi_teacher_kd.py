@@ -1,31 +1,32 @@
-"""Two teachers at once: does a student distilled from both specialists beat each single-teacher student?
+"""Two teachers, each expert at a different task: does a student distilled from both beat each single-teacher one?
 
     make experiment-multi      # python benchmarks/quality/multi_teacher_kd.py [--smoke] [--output_dir DIR]
 
-Everything goes through the `trl-distill` CLI (one process, one thread per run, two runs at a time):
+Students are judged by what they generate, as in `on_policy_kd.py`: held-out pass@1 (greedy, ``last_number``) on
+two verifiable tasks with long worked answers (`arithmetic_task.py`): ``mul``, 2-digit multiplication worked out,
+and ``add``, 5-digit addition worked column by column. Every run is the `trl-distill` CLI (one process, one thread,
+two runs at a time).
 
-1. The corpus: the Python standard library's source (`stdlib_corpus.py`), split into train and held-out by file,
-   then into two halves BY TOPIC: a file's topic is its top-level package or module (`email/...` -> `email`), and a
-   topic goes to half A or B by the SHA-1 of its name, so no package has files in both halves. A BPE tokenizer is
-   trained on the train pieces.
-2. Teacher A is trained (cross-entropy only, ``--alpha 0``) on half A's train pieces, teacher B on half B's.
-3. Students of one size, steps, batch, data and seeds, all on the union of both halves' train pieces (KD + CE,
-   alpha 0.5, forward KL, temperature 1): from A alone, from B alone, from both routed (each row learns from its
-   half's teacher: ``--teachers a=A b=B``, the row's ``teacher`` column), from both mixed with equal weights
-   (``--teacher_combine mixture``), and SFT only for reference. Seed s fixes a student's initial weights and its
-   data order.
-4. Each final student is scored on the held-out pieces of both halves: token-weighted cross-entropy on the union
-   and on each half.
+1. Teacher ``mul`` (Llama, 2 layers, hidden 128) is trained with ``--alpha 0`` on multiplication rows only, teacher
+   ``add`` on addition rows only: each is expert at its task and has never seen the other's prompts.
+2. Per seed, a smaller student (hidden 32) is SFT-warm-started for `warm_steps` on the union (the two tasks' rows
+   interleaved, each row's task in its ``teacher`` column) to partial accuracy on both.
+3. From that warm checkpoint and the same data order, `steps` more steps on the union of each method: SFT only; KD
+   (alpha 1, forward KL) from ``mul`` alone, from ``add`` alone; from both routed (each row learns from its task's
+   expert: ``--teachers mul=DIR add=DIR``, the ``teacher`` column); from both mixed with equal weights
+   (``--teacher_combine mixture``).
+4. Scored at the end on every test prompt of both tasks: pass@1 per task and on the union (per prompt, so two
+   students are compared on the same prompts with the paired standard error), and the teacher NLL of the student's
+   completions under that task's expert.
 
-Goal (issue 30): the two-teacher student beats each single-teacher student on the union, 3 seeds of 3, routed and
-mixed. Writes `multi_teacher_kd.{json,md}` to --output_dir (default benchmarks/quality/results) and the table in
-docs/benchmarks.md; models and CLI logs go to --work_dir.
+Goal (issue 43): the routed student beats each single-teacher student on the union's pass@1, 3 seeds of 3. Writes
+`multi_teacher_kd.{json,md}` to --output_dir (default benchmarks/quality/results) and the table into
+docs/benchmarks.md between its ``experiment:multi_teacher`` markers; models and CLI logs go to --work_dir.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import time
@@ -39,176 +40,127 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))  # benchmarks/
 
-from kd_vs_sft import SIZES, cli, machine, say  # noqa: E402
-from quickstart import MAX_LENGTH  # noqa: E402
-from stdlib_corpus import build as build_corpus  # noqa: E402
+import arithmetic_task  # noqa: E402
+from _common import machine, replace_readme_block  # noqa: E402
+from kd_vs_sft import cli, say  # noqa: E402
+from multi_teacher_report import METHODS, markdown, summarize  # noqa: E402
+from on_policy_kd import SIZES, eval_flags, score  # noqa: E402
+from on_policy_report import curve_of  # noqa: E402
 
-from trl_distill.testing import build_tiny_model, build_tokenizer  # noqa: E402
-
-METHODS = ("sft", "teacher_a", "teacher_b", "both_routed", "both_mixed")
-PLANS = {
-    "full": dict(seeds=[1, 2, 3], vocab_size=2048, max_chars=352, train_pieces=12800, heldout_pieces=256,
-                 teacher_steps=600, teacher_batch=16, teacher_learning_rate=2e-3, steps=300, batch=8),
-    "smoke": dict(seeds=[1], vocab_size=512, max_chars=352, train_pieces=64, heldout_pieces=16,
-                  teacher_steps=3, teacher_batch=4, teacher_learning_rate=2e-3, steps=3, batch=4),
-}
+TASKS = {"mul": "multiplication", "add": "addition"}  # the teacher (routing) name: its task
 README_START, README_END = "<!-- experiment:multi_teacher:start -->", "<!-- experiment:multi_teacher:end -->"
+PLANS = {
+    "full": dict(seeds=[1, 2, 3], train_rows=100000, test_rows=500, curve_prompts=200, teacher_steps=5000,
+                 teacher_batch=32, warm_steps=2000, steps=1000, batch=32, eval_every=100),
+    "smoke": dict(seeds=[1], train_rows=200, test_rows=6, curve_prompts=6, teacher_steps=6, teacher_batch=8,
+                  warm_steps=4, steps=4, batch=4, eval_every=2),
+}
 
 
-def half_of(file: str) -> str:
-    """"a" or "b": the topic half of a stdlib file (its top-level package or module, hashed)."""
-    topic = file.split("/", 1)[0].removesuffix(".py")
-    return "a" if int(hashlib.sha1(topic.encode()).hexdigest(), 16) % 2 == 0 else "b"
+def prepare(work: Path, plan: dict) -> dict[str, Path]:
+    """The union's splits (``data/``), each task's train rows alone (``data_NAME.jsonl``), the one-character
+    tokenizer, the untrained teacher and one untrained student per seed."""
+    from datasets import Dataset
+
+    from trl_distill.testing import build_tiny_model
+
+    split_rows = arithmetic_task.union(TASKS, plan["train_rows"], plan["test_rows"])
+    paths = arithmetic_task.write(work / "data", 0, 0, split_rows=split_rows)
+    for name in TASKS:
+        paths[f"train_{name}"] = work / f"data_{name}.jsonl"
+        Dataset.from_list([r for r in split_rows["train"] if r["teacher"] == name]).to_json(str(paths[f"train_{name}"]))
+    tokenizer = arithmetic_task.tokenizer()
+    models = {"teacher_init": build_tiny_model(tokenizer, "teacher", seed=0, **SIZES["teacher"])}
+    for seed in plan["seeds"]:
+        models[f"student_init_{seed}"] = build_tiny_model(tokenizer, "student", seed=seed, **SIZES["student"])
+    for key, model in models.items():
+        paths[key] = work / "init" / key
+        model.save_pretrained(paths[key])
+        tokenizer.save_pretrained(paths[key])
+    return paths
 
 
-def split_by_topic(corpus_dir: Path) -> dict:
-    """Add each piece's half (the `teacher` column) to train/heldout.jsonl and write each half's train pieces."""
-    counts = {}
-    for split in ("train", "heldout"):
-        rows = [json.loads(line) for line in (corpus_dir / f"{split}.jsonl").read_text().splitlines()]
-        for row in rows:
-            row["teacher"] = half_of(row["file"])
-        (corpus_dir / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        for half in ("a", "b"):
-            mine = [r for r in rows if r["teacher"] == half]
-            counts[f"{split}_{half}"] = {"pieces": len(mine), "files": len({r["file"] for r in mine}),
-                                         "topics": len({r["file"].split("/", 1)[0] for r in mine})}
-            if split == "train":
-                (corpus_dir / f"train_{half}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mine))
-    return counts
-
-
-def heldout_ce(model_dir: Path, rows: list[dict]) -> dict[str, float]:
-    """Token-weighted cross-entropy of the model on the held-out pieces: the union and each half."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer, model = AutoTokenizer.from_pretrained(model_dir), AutoModelForCausalLM.from_pretrained(model_dir)
-    sums = {"union": [0.0, 0], "a": [0.0, 0], "b": [0.0, 0]}
-    with torch.no_grad():
-        for row in rows:
-            ids = tokenizer(row["text"], truncation=True, max_length=MAX_LENGTH, return_tensors="pt")["input_ids"]
-            if ids.shape[1] < 2:
-                continue
-            n = ids.shape[1] - 1
-            loss = model(ids, labels=ids).loss.item() * n
-            for key in ("union", row["teacher"]):
-                sums[key][0] += loss
-                sums[key][1] += n
-    return {key: total / max(count, 1) for key, (total, count) in sums.items()}
+def score_tasks(model_dir: Path, teachers: dict[str, Path], test: list[dict]) -> dict:
+    """`score` on each task's test prompts with that task's expert as the NLL teacher; the union's outcomes are the
+    tasks' in TASKS order."""
+    per_task = {name: score(model_dir, teachers[name], [r for r in test if r["teacher"] == name]) for name in TASKS}
+    passed = [p for name in TASKS for p in per_task[name]["passed"]]
+    return {"passed": passed, "pass@1": sum(passed) / len(passed),
+            "tasks": {name: {k: v for k, v in result.items() if k != "passed"} for name, result in per_task.items()}}
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Students from one teacher vs from two (routed, mixed)")
-    parser.add_argument("--smoke", action="store_true", help="a few steps, 1 seed (well under a minute)")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="a few steps, 1 seed (about two minutes)")
     parser.add_argument("--output_dir", default=str(HERE / "results"))
     parser.add_argument("--work_dir", default=None, help="default outputs/multi_teacher_kd")
-    parser.add_argument("--jobs", type=int, default=2)
     args = parser.parse_args(argv)
-    plan = PLANS["smoke" if args.smoke else "full"]
-    out = Path(args.output_dir).resolve()
-    work = Path(args.work_dir or ROOT / "outputs" / ("multi_teacher_smoke" if args.smoke else "multi_teacher_kd"))
-    work = work.resolve()
+    name = "smoke" if args.smoke else "full"
+    plan = dict(PLANS[name])
+    work = Path(args.work_dir or ROOT / "outputs" / f"multi_teacher_{name}").resolve()
     torch.set_num_threads(1)
-    start = time.time()
-    corpus_dir = work / "corpus"
-    corpus = build_corpus(corpus_dir, max_chars=plan["max_chars"], train_pieces=plan["train_pieces"],
-                          heldout_pieces=plan["heldout_pieces"])
-    corpus["halves"] = split_by_topic(corpus_dir)
-    train_texts = [json.loads(line)["text"] for line in (corpus_dir / "train.jsonl").read_text().splitlines()]
-    heldout = [json.loads(line) for line in (corpus_dir / "heldout.jsonl").read_text().splitlines()]
-    say(f"corpus: {corpus['halves']}")
-    tokenizer = build_tokenizer(vocab_size=plan["vocab_size"], corpus=train_texts)
-    inits = {"teacher": work / "init" / "teacher", **{s: work / "init" / f"student_seed{s}" for s in plan["seeds"]}}
-    for key, path in inits.items():
-        size, seed = ("teacher", 0) if key == "teacher" else ("student", key)
-        build_tiny_model(tokenizer, size, seed=seed, max_position_embeddings=MAX_LENGTH, **SIZES[size]).save_pretrained(
-            path)
-        tokenizer.save_pretrained(path)
-    dummy = inits[plan["seeds"][0]]  # the teacher the CLI needs for alpha 0 runs: never used, only loaded
-    teachers = {half: work / f"teacher_{half}" for half in ("a", "b")}
+    from datasets import load_dataset
 
-    def train_teacher(half: str) -> float:
-        return cli(inits["teacher"], dummy, teachers[half], data=corpus_dir / f"train_{half}.jsonl",
-                   steps=plan["teacher_steps"], batch=plan["teacher_batch"], seed=0, alpha=0.0,
-                   divergence="forward_kl", save_every=None, learning_rate=plan["teacher_learning_rate"])
+    begin = time.time()
+    paths = prepare(work, plan)
+    data = paths["train"].parent
+    test = list(load_dataset("json", data_files=str(paths["test"]), split="train"))
+    teachers = {task: work / f"teacher_{task}" for task in TASKS}
+
+    def train_teacher(task: str) -> dict:
+        seconds = cli(paths["teacher_init"], None, teachers[task], data=paths[f"train_{task}"],
+                      steps=plan["teacher_steps"], batch=plan["teacher_batch"], seed=0, alpha=0.0,
+                      divergence="forward_kl", save_every=None)
+        return {"seconds": seconds, **score_tasks(teachers[task], teachers, test)}
+
+    def warm(seed: int) -> dict:
+        out = work / "warm" / f"s{seed}"
+        seconds = cli(paths[f"student_init_{seed}"], None, out, data=data, steps=plan["warm_steps"],
+                      batch=plan["batch"], seed=seed, alpha=0.0, divergence="forward_kl", save_every=None)
+        return {"seed": seed, "seconds": seconds, **score_tasks(out, teachers, test)}
+
+    say(f"training the teachers ({plan['teacher_steps']} steps each) and warm-starting the students")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        trained = {task: pool.submit(train_teacher, task) for task in TASKS}
+        teacher_scores = {task: future.result() for task, future in trained.items()}
+        for task, result in teacher_scores.items():
+            say(f"teacher {task}: pass@1 " + ", ".join(f"{t} {r['pass@1']:.3f}" for t, r in result["tasks"].items()))
+        warmed = list(pool.map(warm, plan["seeds"]))
+    for w in warmed:
+        say(f"warm student seed {w['seed']}: " + ", ".join(f"{t} {r['pass@1']:.3f}" for t, r in w["tasks"].items()))
 
     def student(method: str, seed: int) -> dict:
-        run_dir = work / "students" / f"{method}_s{seed}"
-        teacher, extra, alpha = dummy, {}, 0.5
+        teacher, alpha, extra = None, 1.0, dict(eval_flags(plan))
         if method == "sft":
             alpha = 0.0
-        elif method in ("teacher_a", "teacher_b"):
-            teacher = teachers[method[-1]]
+        elif method in (f"{task} only" for task in TASKS):
+            teacher = teachers[method.split()[0]]
         else:
-            teacher = None
-            extra = {"teachers": [f"a={teachers['a']}", f"b={teachers['b']}"],
-                     "teacher_combine": "route" if method == "both_routed" else "mixture"}
-        seconds = cli(inits[seed], teacher, run_dir, data=corpus_dir / "train.jsonl", steps=plan["steps"],
-                      batch=plan["batch"], seed=seed, alpha=alpha, divergence="forward_kl", save_every=None,
-                      extra=extra)
-        ce = heldout_ce(run_dir, heldout)
-        say(f"{method} seed {seed}: {seconds:.0f} s, held-out CE {ce['union']:.4f} (a {ce['a']:.4f}, b {ce['b']:.4f})")
-        return {"method": method, "seed": seed, "seconds": seconds, "heldout_ce": ce}
+            extra |= {"teachers": [f"{task}={teachers[task]}" for task in TASKS],
+                      "teacher_combine": "route" if method == "both routed" else "mixture"}
+        out = work / "students" / f"{method.replace(' ', '_')}_s{seed}"
+        seconds = cli(work / "warm" / f"s{seed}", teacher, out, data=data, steps=plan["steps"], batch=plan["batch"],
+                      seed=seed, alpha=alpha, divergence="forward_kl", save_every=None, extra=extra)
+        result = score_tasks(out, teachers, test)
+        say(f"{method} seed {seed}: union {result['pass@1']:.3f} (" +
+            ", ".join(f"{t} {r['pass@1']:.3f}" for t, r in result["tasks"].items()) + f"), {seconds:.0f} s")
+        return {"method": method, "seed": seed, "seconds": seconds, **result, **curve_of(out)}
 
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # the teachers first, SFT students beside them
-        trained = {half: pool.submit(train_teacher, half) for half in teachers}
-        sft = [pool.submit(student, "sft", s) for s in plan["seeds"]]
-        teacher_seconds = {half: future.result() for half, future in trained.items()}
-        say(f"teachers trained: {teacher_seconds}")
-        kd = [pool.submit(student, m, s) for s in plan["seeds"] for m in METHODS if m != "sft"]
-        runs = [f.result() for f in sft + kd]
-    report = {"settings": {**plan, "sizes": SIZES, "corpus": corpus, "alpha": 0.5, "divergence": "forward_kl"},
-              "teachers": {h: {"seconds": teacher_seconds[h], "heldout_ce": heldout_ce(teachers[h], heldout)}
-                           for h in teachers},
-              "runs": runs, "summary": summarize(runs, plan["seeds"]), "wall_seconds": time.time() - start,
-              "machine": machine()}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = list(pool.map(lambda job: student(*job), [(m, s) for m in METHODS for s in plan["seeds"]]))
+    report = {"plan": plan, "tasks": TASKS, "sizes": SIZES, "runs": runs, "warm": warmed, "teachers": teacher_scores,
+              "seconds": time.time() - begin, "machine": machine()}
+    report["summary"] = summarize(report)
+    for run in report["runs"] + report["warm"] + list(report["teachers"].values()):
+        run["passed"] = "".join(str(int(p)) for p in run["passed"])  # kept per prompt, compactly
+    out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "multi_teacher_kd.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "multi_teacher_kd.md").write_text(markdown(report))
+    table = markdown(report)
+    (out / "multi_teacher_kd.md").write_text("# Two expert teachers: students judged by what they generate\n\n" + table)
     if not args.smoke:
-        update_page(report, ROOT / "docs" / "benchmarks.md")
-    say(f"wrote {out}/multi_teacher_kd.{{json,md}}\n\n{markdown(report)}")
-
-
-def summarize(runs: list[dict], seeds: list[int]) -> dict:
-    """Per method: held-out CE on the union, per seed and mean; for the two-teacher students, the seeds on which
-    they beat both single-teacher students."""
-    ce = {m: {r["seed"]: r["heldout_ce"]["union"] for r in runs if r["method"] == m} for m in METHODS}
-    out = {}
-    for method in METHODS:
-        values = [ce[method][s] for s in seeds if s in ce[method]]
-        entry = {"per_seed": values, "mean": sum(values) / max(len(values), 1)}
-        if method.startswith("both"):
-            entry["seeds_beating_both"] = sum(ce[method][s] < min(ce["teacher_a"][s], ce["teacher_b"][s])
-                                              for s in seeds)
-        out[method] = entry
-    return out
-
-
-def markdown(report: dict) -> str:
-    s, summary = report["settings"], report["summary"]
-    rows = ["| student | held-out CE, union (mean) | per seed | beats both single-teacher students |",
-            "|---|---|---|---|"]
-    for method in METHODS:
-        entry = summary[method]
-        beats = f"{entry['seeds_beating_both']}/{len(s['seeds'])} seeds" if "seeds_beating_both" in entry else ""
-        rows.append(f"| {method} | {entry['mean']:.4f} | {', '.join(f'{v:.4f}' for v in entry['per_seed'])} | "
-                    f"{beats} |")
-    teachers = ", ".join(f"teacher {h}: held-out CE {t['heldout_ce']['union']:.4f} (a {t['heldout_ce']['a']:.4f}, "
-                         f"b {t['heldout_ce']['b']:.4f})" for h, t in report["teachers"].items())
-    halves = s["corpus"]["halves"]
-    return "\n".join([
-        f"Students ({s['steps']} steps x {s['batch']} pieces, alpha {s['alpha']}, {s['divergence']}) on the stdlib "
-        f"corpus split by topic: half a {halves['train_a']['pieces']} train pieces ({halves['train_a']['topics']} "
-        f"topics), half b {halves['train_b']['pieces']} ({halves['train_b']['topics']}); {teachers}. Wall "
-        f"{report['wall_seconds'] / 60:.1f} min.", "", *rows, ""])
-
-
-def update_page(report: dict, page: Path) -> None:
-    text = page.read_text()
-    head, rest = text.split(README_START, 1)
-    _, tail = rest.split(README_END, 1)
-    page.write_text(f"{head}{README_START}\n{markdown(report)}{README_END}{tail}")
+        replace_readme_block((README_START, README_END), table)
+    print(table)
 
 
 if __name__ == "__main__":
