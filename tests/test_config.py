@@ -1,4 +1,7 @@
+import ast
 import os
+import re
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -52,6 +55,54 @@ def test_every_field_has_help():
     for f in fields(DistillationConfig):
         if f.name in ours:
             assert f.metadata.get("help"), f.name
+
+
+SECTIONS = ["Teacher", "Loss", "On-policy and rollouts", "Cache", "Several teachers", "Long rows", "Metrics and guards",
+            "Generation-based evaluation", "Reliability"]
+
+
+def documented() -> list[tuple[str, str, str, bool, str | None]]:
+    """(section, name, type, optional, default) of every entry in DistillationConfig's docstring, in order."""
+    entry = re.compile(r"^ {8}(\w+) \(`([^`]+)`(, \*optional\*)?(?:, defaults to `([^`]+)`)?\):$")
+    out, section = [], None
+    for line in DistillationConfig.__doc__.splitlines():
+        if line.startswith("        > "):
+            section = line.strip()[2:]
+        elif match := entry.match(line):
+            out.append((section, *match.groups()))
+    return out
+
+
+def test_the_docstring_lists_every_field_of_ours_in_order_with_its_type_and_default():
+    from trl import SFTConfig
+
+    sft = {f.name: f for f in fields(SFTConfig)}
+    ours = [f for f in fields(DistillationConfig) if f.name not in sft or f.default != sft[f.name].default]
+    assert ours[0].name == "assistant_only_loss"  # SFT's field, our default: it keeps SFT's place in --help
+    entries = documented()
+    assert list(dict.fromkeys(e[0] for e in entries)) == SECTIONS
+    by_name = {e[1]: e for e in entries}
+    assert len(by_name) == len(entries)  # none listed twice
+    assert set(by_name) == {f.name for f in ours}, set(by_name) ^ {f.name for f in ours}
+    in_sections = [f.name for f in fields(DistillationConfig) if f.name in by_name and f.name not in sft]
+    assert [e[1] for e in entries if e[1] in in_sections] == in_sections  # the docstring's order is --help's
+    for f in ours:
+        _, _, kind, optional, default = by_name[f.name]
+        annotation = str(f.type)
+        assert bool(optional) and kind == annotation.removesuffix(" | None"), (f.name, kind, annotation)
+        if f.default is None:
+            assert default is None and annotation.endswith("| None"), f.name
+        else:
+            assert default is not None and ast.literal_eval(default) == f.default, (f.name, default, f.default)
+
+
+def test_the_sections_follow_sft_config_and_the_dead_colocate_field_is_gone():
+    from trl import SFTConfig
+
+    names = [f.name for f in fields(DistillationConfig)]
+    sft = [f.name for f in fields(SFTConfig)]
+    assert names[: len(sft)] == sft and names[len(sft)] == "teacher_model_name_or_path"
+    assert names[-1] == "resume_allow_changes" and "vllm_gpu_memory_utilization" not in names
 
 
 def test_building_a_config_leaves_the_callers_dicts_alone(tmp_path):

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
 
 from transformers import TrainingArguments
 from trl import SFTConfig
@@ -13,254 +12,185 @@ from trl import SFTConfig
 from . import compat
 from .evaluation.fields import GenerationEvalFields, check_generation_eval_args
 from .loss.divergences import LOSS_TYPES
+from .loss.fields import LossFields
 from .model.precision import settle_precision
-from .rollout.engine_config import EngineRolloutFields, check_engine_args
+from .rollout.fields import EngineRolloutFields, OnPolicyFields, check_engine_args
+from .runtime.checkpoints import ReliabilityFields
 from .runtime.deepspeed_config import load_deepspeed_config
 from .runtime.distributed import prepare_cpu_distributed_state
 from .runtime.guards import GuardFields, check_guard_args
 from .runtime.sequence_parallel import SequenceParallelFields, check_sequence_parallel_args
 from .runtime.validation import refuse_quantization_without_gpu
+from .teacher.fields import CacheFields, SeveralTeachersFields, TeacherFields
 from .teacher.resolve import refuse_unsupported
 from .teacher.specs import check_teachers
 
 
 @dataclass
-class DistillationConfig(SFTConfig, EngineRolloutFields, GuardFields, SequenceParallelFields, GenerationEvalFields):
+class DistillationConfig(ReliabilityFields, GenerationEvalFields, GuardFields, SequenceParallelFields,
+                         SeveralTeachersFields, CacheFields, EngineRolloutFields, OnPolicyFields, LossFields,
+                         TeacherFields, SFTConfig):
     r"""
-    Configuration for [`DistillationTrainer`]: every [`trl.SFTConfig`] field, plus the ones below.
+    Configuration for [`DistillationTrainer`]: every [`trl.SFTConfig`] field, then the distillation's own, below in
+    the order `HfArgumentParser` (`--help`) lists them. Each section's fields live beside the code that uses them
+    (`trl_distill/*/fields.py`).
 
     The loss is ``alpha * KD + (1 - alpha) * CE``, where KD is the chosen `divergence` between the teacher's and
     the student's next-token distributions at `temperature` (times ``temperature**2`` unless
     `kd_temperature_scaling` is off) and CE is the student's cross-entropy on the dataset's completion tokens.
     Both are averaged over the completion tokens of the whole (accumulated, all-rank) batch.
 
-    > Teacher
+    Parameters:
+        > Teacher
 
-    teacher_model_name_or_path: path or hub id of the teacher, used when the trainer gets no `teacher_model`.
-    teacher_model_init_kwargs: keyword arguments for the teacher's `from_pretrained` (default dtype: the
-        student's).
-    teacher_deepspeed: the teacher's own DeepSpeed config (path, JSON string or dict). When absent and the
-        student uses DeepSpeed, a ZeRO-3 inference config is derived. ``"auto"`` values come from these
-        arguments; optimizer/scheduler blocks are dropped.
+        teacher_model_name_or_path (`str`, *optional*):
+            Path or hub id of the teacher, used when the trainer gets no `teacher_model`; ``"self"``: a LoRA student's
+            own base with its adapters off.
+        teacher_model_init_kwargs (`dict[str, Any] | str`, *optional*):
+            Keyword arguments for the teacher's `from_pretrained` (default dtype: the student's).
+        teacher_deepspeed (`dict[str, Any] | str`, *optional*):
+            The teacher's own DeepSpeed config; absent with a DeepSpeed student: a ZeRO-3 inference config derived.
+        teacher_step_pass (`bool`, *optional*, defaults to `True`):
+            Run the teacher once per optimizer step over all its micro-batches (a ZeRO-3 teacher gathered once).
+        teacher_batch_size (`int`, *optional*):
+            At most this many rows per teacher forward in that pass (default: all rows of the step).
+        teacher_tokenizer_name_or_path (`str`, *optional*):
+            The teacher's tokenizer (default: the teacher's own); another vocabulary switches to cross-tokenizer KD.
+        cross_tokenizer (`bool`, *optional*):
+            Cross-tokenizer distillation on aligned text; default: on when the tokenizers differ.
+        cross_tokenizer_matched_weight (`float`, *optional*):
+            Weight of the divergence on the tokens both vocabularies hold (default: their share, as GOLD).
+        cross_tokenizer_uld_weight (`float`, *optional*):
+            Weight of the ULD term on the other tokens (default: 1 - matched).
+        teacher_server (`str`, *optional*):
+            URL of a vLLM server of the teacher: its top-k log-probs per loss token, no teacher loaded here.
+        teacher_server_top_k (`int`, *optional*, defaults to `64`):
+            Teacher token ids per loss token from the server (its --max-logprobs must be at least this).
+        teacher_server_timeout (`float`, *optional*, defaults to `120.0`):
+            Seconds per teacher-server request (3 retries with backoff).
+        teacher_server_concurrency (`int`, *optional*, defaults to `4`):
+            Teacher-server requests in flight per process.
 
-    > Loss
+        > Loss
 
-    divergence: one of ``forward_kl``, ``reverse_kl``, ``jsd``, ``skew_forward_kl``, ``skew_reverse_kl``,
-        ``tvd``. (`loss_type` stays SFT's own field.)
-    teacher_cache: train from a cache of the teacher's top-k distribution (`trl-distill cache-teacher`) instead of
-        a live teacher.
-    teacher_tokenizer_name_or_path, cross_tokenizer, cross_tokenizer_matched_weight, cross_tokenizer_uld_weight: a
-        teacher with another tokenizer (cross-tokenizer distillation on aligned text, `trl_distill.cross_tokenizer`).
-    teacher_server: distil from a teacher served by vLLM at this URL (no teacher in the training processes; its
-        top-k per loss token, as from a cache); `teacher_server_top_k` / `_timeout` / `_concurrency` tune it.
-    teachers, teacher_combine, teacher_weights, teacher_column: several teachers at once, each of any kind, routed per
-        row by a dataset column or mixed (`trl_distill.teacher.panel`).
-    teacher_step_pass, teacher_batch_size: the teacher runs once per optimizer step over all its micro-batches (at
-        most `teacher_batch_size` rows per forward), so a ZeRO-3 teacher is gathered once per step.
-    temperature, alpha, beta, skew_alpha, kd_temperature_scaling, loss_chunk_size: see each field's help.
+        divergence (`str`, *optional*, defaults to `"forward_kl"`):
+            `forward_kl`, `reverse_kl`, `jsd`, `skew_forward_kl`, `skew_reverse_kl` or `tvd` (`loss_type` stays SFT's).
+        temperature (`float`, *optional*, defaults to `1.0`):
+            Softmax temperature of both models' logits in the KD term.
+        alpha (`float`, *optional*, defaults to `0.5`):
+            Weight of KD: ``alpha * KD + (1 - alpha) * CE``; 1 is pure distillation, 0 SFT.
+        beta (`float`, *optional*, defaults to `0.5`):
+            Teacher weight in the mixture of the generalized JSD.
+        skew_alpha (`float`, *optional*, defaults to `0.1`):
+            Skew of `skew_forward_kl` / `skew_reverse_kl` (DistiLLM).
+        kd_temperature_scaling (`bool`, *optional*, defaults to `True`):
+            Multiply KD by ``temperature**2`` (Hinton et al.).
+        loss_chunk_size (`int`, *optional*):
+            Completion tokens projected through the lm_heads at a time (default: about 128 MiB of fp32 logits).
+        assistant_only_loss (`bool`, *optional*):
+            KD and CE on assistant tokens only; default: on when the chat template marks them (SFT's default: off).
 
-    > On-policy
+        > On-policy and rollouts
 
-    lmbda, seq_kd, max_new_tokens, generation_temperature / _top_p / _top_k: completions sampled by the student or
-        the teacher (GKD). use_vllm, vllm_server_base_url (or _host / _port), vllm_server_timeout, vllm_sync_steps,
-        vllm_group_port: the student's completions sampled by a vLLM server whose weights follow the student's
-        (TRL's names; `trl-distill vllm-serve` starts it).
+        lmbda (`float`, *optional*, defaults to `0.0`):
+            Share of optimizer steps whose completions the student samples for the batch's prompts (GKD).
+        seq_kd (`bool`, *optional*, defaults to `False`):
+            On the other steps, completions sampled from the teacher instead of the dataset's.
+        max_new_tokens (`int`, *optional*, defaults to `128`):
+            Tokens sampled per completion.
+        generation_temperature (`float`, *optional*, defaults to `1.0`):
+            Sampling temperature of the completions (not the loss temperature).
+        generation_top_p (`float`, *optional*, defaults to `1.0`):
+            Nucleus sampling of the completions.
+        generation_top_k (`int`, *optional*, defaults to `0`):
+            Top-k sampling of the completions (0: off).
+        use_vllm (`bool`, *optional*, defaults to `False`):
+            Sample the student's completions from a vLLM server of the student whose weights follow the trainer's.
+        vllm_mode (`str`, *optional*, defaults to `"server"`):
+            `server` (`trl-distill vllm-serve`); `colocate` is refused with one line.
+        vllm_server_base_url (`str`, *optional*):
+            Base URL of the rollout server; when set, host and port are ignored.
+        vllm_server_host (`str`, *optional*, defaults to `"0.0.0.0"`):
+            Host of the rollout server.
+        vllm_server_port (`int`, *optional*, defaults to `8000`):
+            Port of the rollout server.
+        vllm_server_timeout (`float`, *optional*, defaults to `240.0`):
+            Seconds the server may take to answer or sync before training stops with one line.
+        vllm_group_port (`int`, *optional*, defaults to `51216`):
+            Port on rank 0 for the weight-sync group with the server's workers.
+        vllm_sync_steps (`int`, *optional*, defaults to `1`):
+            Sync the student's weights to the server every this many optimizer steps.
+        vllm_importance_sampling_correction (`bool`, *optional*, defaults to `False`):
+            Weight each sampled token by the clipped ratio of the trainer's to the engine's probability.
+        vllm_importance_sampling_clip_max (`float`, *optional*, defaults to `3.0`):
+            Upper bound of those weights (TRL's GRPO name).
 
-    > Generation-based evaluation
+        > Cache
 
-    eval_reward_funcs, num_generations_eval, eval_temperature, eval_max_new_tokens, eval_generation_prompts,
-        eval_answer_column, eval_answer_pattern: in evaluate(), the student completes the eval prompts and verifiers
-        score each completion (pass@k), and the teacher scores them (`trl_distill.evaluation`).
+        teacher_cache (`str`, *optional*):
+            Train from this teacher cache (`trl-distill cache-teacher`) instead of a teacher; for `cache-teacher`:
+            where it is written.
 
-    > Long rows
+        > Several teachers
 
-    sequence_parallel_size, sequence_parallel_attn_implementation: split each sequence over this many ranks
-        (DeepSpeed Ulysses), student and teacher alike; or accelerate's `parallelism_config` with
-        ``sp_backend="deepspeed"`` (`trl_distill.runtime.sequence_parallel`).
+        teachers (`list[str]`, *optional*):
+            Several teachers, each ``NAME=SOURCE`` (a model, ``cache:DIR`` or a server URL; dicts in a recipe).
+        teacher_combine (`str`, *optional*, defaults to `"route"`):
+            `route` (each row from the teacher its column names), `mixture` or `sum`.
+        teacher_weights (`list[float]`, *optional*):
+            The teachers' weights for mixture / sum, in the order of `teachers` (default: equal).
+        teacher_column (`str`, *optional*, defaults to `"teacher"`):
+            The dataset column naming each row's teacher (route).
+
+        > Long rows
+
+        sequence_parallel_size (`int`, *optional*, defaults to `1`):
+            Split each sequence over this many ranks (DeepSpeed Ulysses), student and teacher alike.
+        sequence_parallel_attn_implementation (`str`, *optional*, defaults to `"sdpa"`):
+            The attention both models run under sequence parallelism (not eager).
+
+        > Metrics and guards
+
+        log_distill_metrics (`bool`, *optional*, defaults to `True`):
+            Log top-1 agreement, KL, teacher CE and the entropies, measured inside the fused loss.
+        distill_metrics_every_step (`bool`, *optional*, defaults to `False`):
+            Measure them on every step and log the mean, instead of on the logged steps only.
+        stop_on_nonfinite_loss (`bool`, *optional*, defaults to `True`):
+            Stop every rank before the backward when a rank's loss is NaN or inf.
+        collapse_max_repetition (`float`, *optional*, defaults to `0.9`):
+            On-policy: stop when the samples' repeated 4-gram share stays above this (1: off).
+        collapse_min_entropy (`float`, *optional*, defaults to `0.02`):
+            On-policy: stop when the student's entropy on its samples stays below this (0: off).
+        collapse_patience (`int`, *optional*, defaults to `3`):
+            Consecutive logging steps past a collapse bound before the run stops.
+        teacher_ce_margin (`float`, *optional*, defaults to `0.0`):
+            Warn at the first step when the teacher's CE on the data exceeds the student's by more than this.
+
+        > Generation-based evaluation
+
+        eval_reward_funcs (`list[str]`, *optional*):
+            Verifiers that score the student's completions of the eval prompts in evaluate() (pass@k).
+        num_generations_eval (`int`, *optional*, defaults to `1`):
+            Completions per eval prompt (TRL's name); n > 1 also logs pass@n.
+        eval_temperature (`float`, *optional*):
+            Sampling temperature of the eval completions (default: greedy for one, generation_temperature for n).
+        eval_max_new_tokens (`int`, *optional*):
+            Tokens per eval completion at most (default: max_new_tokens).
+        eval_generation_prompts (`int`, *optional*):
+            Generate for the eval split's first N prompts only (default: all).
+        eval_answer_column (`str`, *optional*):
+            The column the built-in verifiers compare with (default: `answer`, else `solution`).
+        eval_answer_pattern (`str`, *optional*):
+            The regular expression `regex_match` extracts the answer with.
+
+        > Reliability
+
+        resume_allow_changes (`bool`, *optional*, defaults to `False`):
+            Resume a checkpoint although the teacher or the distillation settings differ from the run that wrote it.
     """
 
     # Fields a JSON string may fill on the CLI (a TrainingArguments class attribute; transformers 5.24)
     _VALID_DICT_FIELDS = compat.valid_dict_fields(SFTConfig) + ["teacher_model_init_kwargs", "teacher_deepspeed"]
-
-    teacher_model_name_or_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "Path or hub id of the teacher model, used when no `teacher_model` is passed. 'self' with a "
-            "LoRA student (--use_peft): self-distillation from the student's own base with its adapters disabled."
-        },
-    )
-    teacher_model_init_kwargs: dict[str, Any] | str | None = field(
-        default=None,
-        metadata={
-            "help": "Keyword arguments for the teacher's `AutoModelForCausalLM.from_pretrained` (e.g. `dtype`, "
-            "`revision`, `attn_implementation`). The teacher's dtype follows the student's unless set here."
-        },
-    )
-    teacher_deepspeed: dict[str, Any] | str | None = field(
-        default=None,
-        metadata={
-            "help": "The teacher's own DeepSpeed config: a JSON file, a JSON string or a dict. Its 'auto' values are "
-            "filled from these arguments, its ZeRO-3 bucket sizes from the teacher's hidden size, and optimizer or "
-            "scheduler blocks are dropped. When absent and the student uses DeepSpeed, a ZeRO-3 inference config "
-            "is derived, so each rank holds 1/N of the teacher."
-        },
-    )
-    teacher_step_pass: bool = field(
-        default=True,
-        metadata={
-            "help": "Run the teacher once per optimizer step over all its micro-batches (rows batched, padding "
-            "changes no value), keeping only its hidden states at the loss tokens and its lm_head gathered until the "
-            "step's last micro-batch: a ZeRO-3 teacher then gathers each layer once per step, not once per "
-            "micro-batch. False: once per micro-batch. Sampled steps (lmbda, seq_kd) always run per micro-batch."
-        },
-    )
-    teacher_batch_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "At most this many rows per teacher forward in the once-per-step pass (each forward gathers the "
-            "teacher once more). None: all rows of the optimizer step (micro batch x gradient accumulation) at once."
-        },
-    )
-    teacher_cache: str | None = field(
-        default=None,
-        metadata={
-            "help": "A teacher cache directory written by `trl-distill cache-teacher` (the teacher's top-k "
-            "log-probabilities per loss token). Training then loads no teacher at all; the divergence is computed on "
-            "the top-k tokens plus the tail mass (see `trl_distill.loss.sparse`). For `cache-teacher` itself: "
-            "where the cache is written."
-        },
-    )
-    teacher_tokenizer_name_or_path: str | None = field(
-        default=None,
-        metadata={"help": "The teacher's tokenizer (default: the one saved with the teacher). When it maps tokens to "
-                  "other ids than the student's, training switches to cross-tokenizer distillation by itself."},
-    )
-    cross_tokenizer: bool | None = field(
-        default=None,
-        metadata={"help": "Cross-tokenizer distillation: each model reads its own tokens of the same text, the loss "
-                  "compares them on aligned groups (the divergence on the tokens both vocabularies hold, Universal "
-                  "Logit Distillation on the rest). None: on when the tokenizers differ; True forces it."},
-    )
-    cross_tokenizer_matched_weight: float | None = field(
-        default=None,
-        metadata={"help": "Weight of the divergence on the shared tokens. None (with the ULD weight None): the shared "
-                  "fraction of the teacher's vocabulary, as TRL's GOLD does."},
-    )
-    cross_tokenizer_uld_weight: float | None = field(
-        default=None, metadata={"help": "Weight of the ULD term on the tokens only one side has. None: 1 - matched."}
-    )
-    teacher_server: str | None = field(
-        default=None,
-        metadata={
-            "help": "The URL of an OpenAI-compatible vLLM server serving the teacher (`vllm serve TEACHER "
-            "--max-logprobs 64`); --teacher_model_name_or_path then names the served model (default: the one it "
-            "serves). No teacher is loaded here: each batch's loss tokens get the teacher's top-k log-probs from "
-            "the server, requested ahead while the student computes, and the loss runs as from a teacher cache. "
-            "Temperature 1 only. For `cache-teacher`: write the cache from the server."
-        },
-    )
-    teacher_server_top_k: int = field(
-        default=64,
-        metadata={"help": "Teacher token ids per loss token from the server (it needs --max-logprobs >= this)."},
-    )
-    teacher_server_timeout: float = field(
-        default=120.0,
-        metadata={"help": "Seconds per teacher-server request; each is retried 3 times with backoff before the run "
-                  "stops with the error."},
-    )
-    teacher_server_concurrency: int = field(
-        default=4, metadata={"help": "Teacher-server requests in flight per process."}
-    )
-    teachers: list[str] | None = field(
-        default=None,
-        metadata={
-            "help": "Several teachers, each NAME=SOURCE: SOURCE a path or hub id (a live teacher, its own ZeRO-3 "
-            "plugin), cache:DIR (a teacher cache) or an http(s):// URL (a vLLM server). A recipe may give dicts "
-            "(name, model/cache/server, deepspeed, init_kwargs, served_model). --teacher_combine says how they teach."
-        },
-    )
-    teacher_combine: str = field(
-        default="route",
-        metadata={
-            "help": "With several teachers: 'route' (each row learns from the teacher its teacher_column names; "
-            "rows naming none, from the first listed), 'mixture' (the divergence against the mixture of their "
-            "distributions, weights summing to 1; live teachers) or 'sum' (the weighted sum of each teacher's "
-            "divergence; any kind).",
-            "choices": ["route", "mixture", "sum"],
-        },
-    )
-    teacher_weights: list[float] | None = field(
-        default=None, metadata={"help": "The teachers' weights for mixture / sum, in the order of --teachers "
-                                "(default: equal)."}
-    )
-    teacher_column: str = field(
-        default="teacher", metadata={"help": "The dataset column naming each row's teacher (teacher_combine=route)."}
-    )
-    divergence: str = field(
-        default="forward_kl",
-        metadata={
-            "help": "Divergence between teacher (p) and student (q) distributions.",
-            "choices": list(LOSS_TYPES),
-        },
-    )
-    temperature: float = field(
-        default=1.0,
-        metadata={"help": "Softmax temperature applied to both the teacher's and the student's logits in the KD term."},
-    )
-    alpha: float = field(
-        default=0.5,
-        metadata={"help": "Weight of the KD term: loss = alpha * KD + (1 - alpha) * CE. 1.0 is pure distillation."},
-    )
-    beta: float = field(
-        default=0.5,
-        metadata={"help": "Teacher weight in the mixture of the generalized JSD (`divergence='jsd'`), in [0, 1]."},
-    )
-    skew_alpha: float = field(
-        default=0.1,
-        metadata={"help": "Skew of `skew_forward_kl` / `skew_reverse_kl` (DistiLLM), in [0, 1]."},
-    )
-    kd_temperature_scaling: bool = field(
-        default=True,
-        metadata={"help": "Multiply the KD term by temperature**2 (Hinton et al.), keeping its gradient scale."},
-    )
-    lmbda: float = field(
-        default=0.0,
-        metadata={
-            "help": "On-policy fraction (GKD): per optimizer step, with this probability the batch's completions are "
-            "sampled from the student for the same prompts. The draw is seeded by (seed, step): equal on every rank "
-            "and on resume. 0 is off-policy distillation on the dataset's completions."
-        },
-    )
-    seq_kd: bool = field(
-        default=False,
-        metadata={"help": "Sequence-level KD: on the steps not drawn on-policy, completions are sampled from the "
-                  "teacher instead of taken from the dataset."},
-    )
-    max_new_tokens: int = field(default=128, metadata={"help": "Tokens sampled per completion (lmbda > 0 or seq_kd)."})
-    generation_temperature: float = field(
-        default=1.0, metadata={"help": "Sampling temperature of generated completions (not the loss temperature)."}
-    )
-    generation_top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling of generated completions."})
-    generation_top_k: int = field(default=0, metadata={"help": "Top-k sampling of generated completions (0: off)."})
-    assistant_only_loss: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Compute KD and CE on assistant tokens only (conversational `messages` datasets). Unset: on when "
-            "the chat template has generation markers or TRL can add them, off (with a warning) otherwise."
-        },
-    )
-    resume_allow_changes: bool = field(
-        default=False,
-        metadata={"help": "Resume a checkpoint even though the teacher or the distillation settings (divergence, "
-                  "temperature, alpha, ...) differ from the run that wrote it. Off: such a resume is refused."},
-    )
-    loss_chunk_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "Completion tokens projected through the lm_heads at a time in the chunked loss. None picks a "
-            "size from the vocabulary so one chunk of fp32 logits stays near 128 MiB."
-        },
-    )
 
     def __post_init__(self):
         if self.divergence not in LOSS_TYPES:

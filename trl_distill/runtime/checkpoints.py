@@ -15,11 +15,23 @@ import json
 import logging
 import os
 import re
+from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
 MARKER = "trl_distill_complete.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+@dataclass
+class ReliabilityFields:
+    """`DistillationConfig`'s resume setting: what a resume must match, and the one way past it."""
+
+    resume_allow_changes: bool = field(
+        default=False,
+        metadata={"help": "Resume a checkpoint even though the teacher or the distillation settings (divergence, "
+                  "temperature, alpha, ...) differ from the run that wrote it. Off: such a resume is refused."},
+    )
 
 
 def _files(directory: str) -> dict[str, int]:

@@ -1,10 +1,35 @@
-"""The fields of `DistillationConfig` that sample the student's completions with vLLM, with TRL's names
-(`trl.DistillationConfig` / `GRPOConfig` 1.16), and their checks."""
+"""The fields of `DistillationConfig` that sample completions during training: how often and how (GKD's), and
+from a vLLM server of the student (TRL's names, `trl.DistillationConfig` / `GRPOConfig` 1.16); their checks."""
 
 from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
+
+
+@dataclass
+class OnPolicyFields:
+    """Completions sampled during training (GKD): by the student (lmbda) or the teacher (seq_kd), and how."""
+
+    lmbda: float = field(
+        default=0.0,
+        metadata={
+            "help": "On-policy fraction (GKD): per optimizer step, with this probability the batch's completions are "
+            "sampled from the student for the same prompts. The draw is seeded by (seed, step): equal on every rank "
+            "and on resume. 0 is off-policy distillation on the dataset's completions."
+        },
+    )
+    seq_kd: bool = field(
+        default=False,
+        metadata={"help": "Sequence-level KD: on the steps not drawn on-policy, completions are sampled from the "
+                  "teacher instead of taken from the dataset."},
+    )
+    max_new_tokens: int = field(default=128, metadata={"help": "Tokens sampled per completion (lmbda > 0 or seq_kd)."})
+    generation_temperature: float = field(
+        default=1.0, metadata={"help": "Sampling temperature of generated completions (not the loss temperature)."}
+    )
+    generation_top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling of generated completions."})
+    generation_top_k: int = field(default=0, metadata={"help": "Top-k sampling of generated completions (0: off)."})
 
 
 @dataclass
@@ -36,9 +61,6 @@ class EngineRolloutFields:
         "trainer's (bf16 kernels). The gap is logged either way (rollout_logprob_abs_diff)."})
     vllm_importance_sampling_clip_max: float = field(default=3.0, metadata={
         "help": "Upper bound of the importance-sampling weights (TRL's GRPO name)."})
-    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={
-        "help": "GPU memory share of a colocated vLLM engine (vllm_mode='colocate'); a server takes its own "
-        "(`trl-distill vllm-serve --gpu_memory_utilization`)."})
 
 
 def check_engine_args(args) -> None:
