@@ -64,6 +64,11 @@ class TeacherSource(ABC):
             if mode in cls.refused:
                 raise ValueError(cls.refused[mode])
 
+    @staticmethod
+    def check_args(args) -> None:
+        """The settings this kind cannot take whatever the mode, refused as the config is built (none here)."""
+        return None
+
     def plugin(self, args, student_plugin) -> DeepSpeedPlugin | None:
         """Its own DeepSpeed plugin beside the student's; None: no engine of its own."""
         if args.teacher_deepspeed is not None:

@@ -1,5 +1,6 @@
-"""Which kind of teacher a run distils from, decided once from the arguments (`resolve_teacher`), and the settings
-each kind refuses as the config is built (`refuse_unsupported`)."""
+"""Which teacher a run distils from: its description (`registry.describe`) built through the registry of kinds
+(`resolve_teacher`), the kinds registered here, and the settings a kind refuses as the config is built
+(`refuse_unsupported`)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from .cached import CachedTeacher
 from .cross_tokenizer import CrossTokenizerTeacher
 from .live import LiveTeacher
 from .no_teacher import SFT_ONLY, NoTeacher
+from .registry import BuildContext, build_teacher, describe, register_teacher_kind, teacher_kind
 from .self_distill import SELF, SelfTeacher
 from .served import ServedTeacher
+from .specs import TeacherSpec
 from .support import ARGS_MODES, active_modes, matrix
 
 logger = logging.getLogger(__name__)
@@ -26,97 +29,96 @@ KINDS = {"live (ZeRO-3)": LiveTeacher, "self": SelfTeacher, "cache": CachedTeach
 """Every kind of teacher, by the label the support matrix gives it."""
 
 
+def _model(spec: TeacherSpec, context: BuildContext) -> LiveTeacher:
+    """A model: live, or cross-tokenizer when its tokenizer maps tokens to other ids than the student's."""
+    source = _live_or_cross(spec.model, context.args, context.student, context.processing_class,
+                            spec.init_kwargs or None)
+    if spec.deepspeed is not None:
+        source.deepspeed_config = spec.deepspeed
+    return source
+
+
+def _server(spec: TeacherSpec, context: BuildContext) -> ServedTeacher:
+    args = context.args
+    return ServedTeacher(spec.server, spec.served_model, args.teacher_server_top_k, args.teacher_server_timeout,
+                         args.teacher_server_concurrency)
+
+
+register_teacher_kind("model", LiveTeacher, _model)
+register_teacher_kind("self", SelfTeacher, lambda spec, context: SelfTeacher())
+register_teacher_kind("cache", CachedTeacher, lambda spec, context: CachedTeacher(spec.cache))
+register_teacher_kind("server", ServedTeacher, _server)
+
+
 def support_matrix() -> dict[str, dict[str, str]]:
     """Every kind against every mode: ``"yes"`` or ``"refused: <the message>"`` (the README's table)."""
     return matrix(KINDS)
 
 
 def refuse_unsupported(args) -> None:
-    """As the config is built: one error for a setting the run's kind of teacher refuses, where the arguments alone
-    name the kind (a cache, a server) and the mode."""
-    kind = ServedTeacher if args.teacher_server is not None else CachedTeacher if args.teacher_cache else None
-    if kind is ServedTeacher:
-        ServedTeacher.check_args(args)
-    for mode in active_modes(args) if kind is not None else ():
-        if mode in ARGS_MODES and mode in kind.refused:
-            raise ValueError(kind.refused[mode])
+    """As the config is built: one error for a setting the run's one teacher refuses, where the arguments alone
+    name its kind (a cache, a server; a model's kind waits for its tokenizer) and the mode."""
+    if args.teachers is not None:
+        return  # several: `specs.check_teachers` has checked what the arguments decide
+    for spec in describe(args):
+        if spec.kind in ("cache", "server"):
+            kind = teacher_kind(spec.kind).source_class
+            kind.check_args(args)
+            for mode in active_modes(args):
+                if mode in ARGS_MODES and mode in kind.refused:
+                    raise ValueError(kind.refused[mode])
 
 
 def resolve_teacher(teacher_model, args, *, student, processing_class, eval_dataset, peft_config) -> TeacherSource:
-    """The kind of teacher this run distils from, its refusals checked.
-
-    ``args.teacher_server``: a `ServedTeacher` (`teacher_model` names the served model); ``args.teacher_cache``: a
-    `CachedTeacher`; ``"self"``: a `SelfTeacher`; else `teacher_model` (or ``args.teacher_model_name_or_path``) is a
-    `LiveTeacher`, or a `CrossTokenizerTeacher` when its tokenizer maps tokens to other ids than the student's.
-    """
+    """The teacher this run distils from, its refusals checked: each spec `registry.describe` gives built by its
+    kind (`TEACHER_KINDS`), several as one `panel.TeacherPanel`, none (alpha 0) as `NoTeacher`."""
     if isinstance(teacher_model, TrainingArguments):
         raise TypeError("DistillationTrainer(model, teacher_model, args, ...): "
                         "the second positional argument is the teacher. Pass the training arguments by keyword, "
                         "`args=...`.")
     check_models_before_loading(args, student, teacher_model)  # sequence parallelism: the models' heads, attention
     peft = peft_config is not None or hasattr(student, "disable_adapter")
+    _check_single_teacher_flags(teacher_model, args)
+    context = BuildContext(args, student, processing_class)
+    specs = describe(args, teacher_model)
     if args.teachers is not None:
-        if teacher_model is not None:
-            raise ValueError("Pass the teachers either as `teacher_model=` or as `args.teachers`, not both.")
-        return resolve_panel(args, student, processing_class, eval_dataset, peft)
-    teacher_model = teacher_model if teacher_model is not None else args.teacher_model_name_or_path
+        return resolve_panel(args, specs, context, eval_dataset, peft)
+    if not specs and args.alpha == 0:  # the SFT baseline: CE only, nothing to distil from
+        NoTeacher.refuse(args, eval_dataset=eval_dataset, peft=peft)
+        logger.info(SFT_ONLY)
+        return NoTeacher()
+    if not specs:
+        raise ValueError("No teacher: pass `teacher_model=` or set `teacher_model_name_or_path` in the config (or set "
+                         "alpha=0 to train on the cross-entropy alone, as trl.SFTTrainer does).")
+    return build_teacher(specs[0], context, eval_dataset=eval_dataset, peft=peft)
+
+
+def _check_single_teacher_flags(teacher_model, args) -> None:
+    """What the trainer's `teacher_model` and the single-teacher flags cannot say together."""
+    if args.teachers is not None and teacher_model is not None:
+        raise ValueError("Pass the teachers either as `teacher_model=` or as `args.teachers`, not both.")
+    model = teacher_model if teacher_model is not None else args.teacher_model_name_or_path
     if args.teacher_server is not None:
         if args.teacher_cache is not None:
             raise ValueError("Pass either --teacher_server (a served teacher) or --teacher_cache (a cache of it) for "
                              "training, not both; `cache-teacher --teacher_server URL --teacher_cache DIR` writes the "
                              "cache from the server.")
-        if teacher_model is not None and not isinstance(teacher_model, str):
+        if model is not None and not isinstance(model, str):
             raise ValueError("With teacher_server the teacher runs on the server: pass its served name (a string) or "
                              "nothing as the teacher, not a model.")
-        ServedTeacher.refuse(args, eval_dataset=eval_dataset, peft=peft)
-        return ServedTeacher(args.teacher_server, teacher_model, args.teacher_server_top_k,
-                             args.teacher_server_timeout, args.teacher_server_concurrency)
-    if args.teacher_cache is not None:
-        CachedTeacher.refuse(args, eval_dataset=eval_dataset, peft=peft)
-        if teacher_model is not None:
-            logger.warning("Training from the teacher cache %s: the teacher %s is not loaded.", args.teacher_cache,
-                           teacher_model if isinstance(teacher_model, str) else "model")
-        return CachedTeacher(args.teacher_cache)
-    if teacher_model is None and args.alpha == 0:  # the SFT baseline: CE only, nothing to distil from
-        NoTeacher.refuse(args, eval_dataset=eval_dataset, peft=peft)
-        logger.info(SFT_ONLY)
-        return NoTeacher()
-    if teacher_model is None:
-        raise ValueError("No teacher: pass `teacher_model=` or set `teacher_model_name_or_path` in the config (or set "
-                         "alpha=0 to train on the cross-entropy alone, as trl.SFTTrainer does).")
-    if isinstance(teacher_model, str) and teacher_model == SELF:
-        if not peft:
-            raise ValueError(
-                "teacher 'self' (self-distillation) uses the student's base model with its LoRA adapters disabled, so "
-                "it needs a PEFT student: pass `peft_config=` (CLI: --use_peft)."
-            )
-        SelfTeacher.refuse(args, eval_dataset=eval_dataset, peft=peft)
-        return SelfTeacher()
-    source = _live_or_cross(teacher_model, args, student, processing_class)  # its tokenizer decides which
-    source.refuse(args, eval_dataset=eval_dataset, peft=peft)
-    return source
+    elif args.teacher_cache is not None and model is not None:
+        logger.warning("Training from the teacher cache %s: the teacher %s is not loaded.", args.teacher_cache,
+                       model if isinstance(model, str) else "model")
 
 
-def resolve_panel(args, student, processing_class, eval_dataset, peft: bool) -> TeacherSource:
-    """`args.teachers` (`specs.TeacherSpec` entries, checked as the config was built) as one `panel.TeacherPanel`,
-    each member's refusals checked; one teacher may have another tokenizer than the student's (routed or summed)."""
+def resolve_panel(args, specs: list[TeacherSpec], context: BuildContext, eval_dataset, peft: bool) -> TeacherSource:
+    """Several teachers (`specs.TeacherSpec` entries, checked as the config was built) as one `panel.TeacherPanel`,
+    each built by its kind with its refusals checked; one may have another tokenizer than the student's (routed or
+    summed)."""
     from .panel import TeacherPanel
 
-    members, foreign = {}, []
-    for spec in args.teachers:
-        if spec.kind == "cache":
-            member = CachedTeacher(spec.cache)
-        elif spec.kind == "server":
-            member = ServedTeacher(spec.server, spec.served_model, args.teacher_server_top_k,
-                                   args.teacher_server_timeout, args.teacher_server_concurrency)
-        else:
-            member = _live_or_cross(spec.model, args, student, processing_class,
-                                    spec.init_kwargs or args.teacher_model_init_kwargs)
-            member.deepspeed_config = spec.deepspeed
-            if isinstance(member, CrossTokenizerTeacher):
-                foreign.append(spec.name)
-        type(member).refuse(args, eval_dataset=eval_dataset, peft=peft)
-        members[spec.name] = member
+    members = {spec.name: build_teacher(spec, context, eval_dataset=eval_dataset, peft=peft) for spec in specs}
+    foreign = [name for name, member in members.items() if isinstance(member, CrossTokenizerTeacher)]
     if len(foreign) > 1 or foreign and args.teacher_combine == "mixture":
         raise ValueError(f"The teachers {foreign} have another tokenizer than the student's; "
                          + ("a mixture of distributions needs one vocabulary: every teacher must share the student's "
@@ -219,22 +221,20 @@ def check_teacher_flags(args, use_peft: bool) -> None:
     """The CLI's checks of the teacher flags that need no model: fail in seconds, before anything is loaded."""
     from ..runtime.validation import check_model_path
 
-    if args.teachers:  # several (`specs.check_teachers` has parsed them): each model path, as for one teacher
-        for spec in args.teachers:
-            if spec.kind == "model":
-                check_model_path(spec.model, f"--teachers {spec.name}")
-        return
-    if not (args.teacher_model_name_or_path or args.teacher_cache or args.teacher_server):
+    specs = describe(args)
+    if not specs:
         if args.alpha == 0:
             return  # cross-entropy only, as trl.SFTTrainer trains (`no_teacher`)
         raise ValueError("Pass the teacher with --teacher_model_name_or_path (or a cache of it with --teacher_cache, "
                          "or a vLLM server of it with --teacher_server), or several with --teachers NAME=SOURCE ... "
                          "(--alpha 0 trains on the cross-entropy alone, without a teacher).")
-    if args.teacher_model_name_or_path == SELF and not use_peft:
-        raise ValueError("--teacher_model_name_or_path self (self-distillation) needs a LoRA student: add --use_peft.")
-    if not (args.teacher_cache or args.teacher_server or args.teacher_model_name_or_path == SELF):
-        # (a cache or a server: the teacher is not loaded here, and with a server the name is the served one)
-        check_model_path(args.teacher_model_name_or_path, "--teacher_model_name_or_path")
+    for spec in specs:  # a cache or a server: no model is loaded here (with a server the name is the served one)
+        if spec.kind == "self" and not use_peft:
+            raise ValueError("--teacher_model_name_or_path self (self-distillation) needs a LoRA student: add "
+                             "--use_peft.")
+        if spec.kind == "model":
+            check_model_path(spec.model, "--teacher_model_name_or_path" if args.teachers is None else
+                             f"--teachers {spec.name}")
 
 
 def check_cacheable_teacher(args) -> None:

@@ -20,6 +20,8 @@ COMBINE = ("route", "mixture", "sum")
 TEACHER_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 """What a teacher may be called (it names the teacher in the routing column, the logs and `--dataset_name`)."""
 _KEYS = {"name", "model", "cache", "server", "served_model", "deepspeed", "init_kwargs"}
+SINGLE = "teacher"
+"""The name of a run's one teacher (given by the single-teacher flags), as a spec."""
 
 
 @dataclass
@@ -36,7 +38,8 @@ class TeacherSpec:
 
     @property
     def kind(self) -> str:
-        return "cache" if self.cache else "server" if self.server else "model"
+        """Its entry in `registry.TEACHER_KINDS`: ``cache``, ``server``, ``self`` or ``model``."""
+        return "cache" if self.cache else "server" if self.server else "self" if self.model == "self" else "model"
 
     @property
     def source(self) -> str:
@@ -99,6 +102,10 @@ def check_teachers(args) -> None:
     if not specs:
         raise ValueError("teachers is empty: list at least one NAME=SOURCE, or pass one teacher with "
                          "--teacher_model_name_or_path.")
+    selves = [spec.name for spec in specs if spec.kind == "self"]
+    if selves:
+        raise ValueError(f"teachers: {selves[0]}=self: self-distillation takes the student's base as its one teacher; "
+                         "pass it alone (--teacher_model_name_or_path self with --use_peft).")
     names = [spec.name for spec in specs]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:

@@ -1,0 +1,64 @@
+"""The registry of teacher kinds (`trl_distill.teacher.registry`): every run's teachers are described as specs, and
+every spec is built through its registered kind, the one place a kind is chosen."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+
+from trl_distill import DistillationConfig, DistillationTrainer
+from trl_distill.teacher import CachedTeacher, LiveTeacher, SelfTeacher, ServedTeacher
+from trl_distill.teacher.registry import TEACHER_KINDS, TeacherKind, describe, register_teacher_kind, teacher_kind
+from trl_distill.teacher.specs import TeacherSpec
+from trl_distill.testing import synthetic_prompt_completion
+
+
+def config(tmp_path, **kwargs) -> DistillationConfig:
+    return DistillationConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kwargs)
+
+
+def test_each_kind_is_registered_once_by_name_with_the_class_whose_refusals_it_checks():
+    assert {name: kind.source_class for name, kind in TEACHER_KINDS.items()} == {
+        "model": LiveTeacher, "self": SelfTeacher, "cache": CachedTeacher, "server": ServedTeacher}
+    with pytest.raises(ValueError, match="The teacher kind 'cache' is registered already"):
+        register_teacher_kind("cache", CachedTeacher, lambda spec, context: None)
+    with pytest.raises(ValueError, match="Unknown teacher kind 'ghost'; registered: model, self, cache, server"):
+        teacher_kind("ghost")
+
+
+def test_the_single_teacher_flags_and_the_teacher_list_describe_the_run_as_specs(tmp_path):
+    assert describe(config(tmp_path, teacher_model_name_or_path="/m")) == [TeacherSpec("teacher", model="/m")]
+    assert describe(config(tmp_path, teacher_model_name_or_path="self"))[0].kind == "self"
+    assert describe(config(tmp_path, teacher_cache="/c")) == [TeacherSpec("teacher", cache="/c")]
+    served = describe(config(tmp_path, teacher_server="http://h:8000", teacher_model_name_or_path="big"))
+    assert served == [TeacherSpec("teacher", server="http://h:8000", served_model="big")]
+    assert describe(config(tmp_path, alpha=0.0)) == []
+    several = config(tmp_path, teachers=["a=/m", "b=cache:/c", "c=http://h:8000"], teacher_combine="sum")
+    assert [(s.name, s.kind) for s in describe(several)] == [("a", "model"), ("b", "cache"), ("c", "server")]
+    # what the config holds serialises and builds the same teachers again, through JSON and through pickle
+    again = config(tmp_path, teachers=json.loads(several.to_json_string())["teachers"], teacher_combine="sum")
+    assert describe(again) == describe(several) == describe(pickle.loads(pickle.dumps(several)))
+
+
+def test_a_trainer_builds_its_teacher_through_the_registry(tiny_pair, tmp_path, monkeypatch):
+    """Replacing the registered builder of a kind changes what the trainer gets: the kind is chosen there only."""
+    built = []
+
+    def build(spec, context):
+        built.append((spec, context.args.teacher_model_name_or_path))
+        return LiveTeacher(spec.model, None)
+
+    monkeypatch.setitem(TEACHER_KINDS, "model", TeacherKind("model", LiveTeacher, build))
+    args = config(tmp_path, teacher_model_name_or_path=tiny_pair["teacher"], max_steps=1, per_device_train_batch_size=2,
+                  bf16=False, save_strategy="no", gradient_checkpointing=False)
+    trainer = DistillationTrainer(model=tiny_pair["student"], args=args,
+                                  train_dataset=synthetic_prompt_completion(4, seed=0))
+    assert built == [(TeacherSpec("teacher", model=tiny_pair["teacher"]), tiny_pair["teacher"])]
+    assert type(trainer.teacher) is LiveTeacher and trainer.teacher.tokenizer is None  # the stand-in's, untouched
+
+
+def test_self_in_a_teacher_list_is_one_line(tmp_path):
+    with pytest.raises(ValueError, match=r"teachers: a=self: self-distillation takes the student's base as its one "):
+        config(tmp_path, teachers=["a=self", "b=/m"])

@@ -1,0 +1,76 @@
+"""One registry of teacher kinds by name, and the one place a run's teachers are described and built.
+
+A run's teachers are `TeacherSpec` entries (`specs.py`), plain data that serialise: the config's `teachers`, or the
+one that its single-teacher flags describe (`describe`). Each spec's `kind` names an entry of `TEACHER_KINDS`, which
+builds its `TeacherSource`; `resolve.resolve_teacher` makes several of them one panel. A kind registers with
+`register_teacher_kind` (as vLLM's weight-transfer factory registers its engines by name).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .base import TeacherSource
+from .specs import SINGLE, TeacherSpec
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a kind's builder may read: the run's arguments, the student and its tokenizer."""
+
+    args: Any
+    student: Any
+    processing_class: Any
+
+
+@dataclass(frozen=True)
+class TeacherKind:
+    """A registered kind: the class whose refusals a run checks before building it, and its builder."""
+
+    name: str
+    source_class: type[TeacherSource]
+    build: Callable[[TeacherSpec, BuildContext], TeacherSource]
+
+
+TEACHER_KINDS: dict[str, TeacherKind] = {}
+
+
+def register_teacher_kind(name: str, source_class: type[TeacherSource],
+                          build: Callable[[TeacherSpec, BuildContext], TeacherSource]) -> None:
+    """Make `name` a kind a `TeacherSpec` may have: `build(spec, context)` returns its `TeacherSource`."""
+    if name in TEACHER_KINDS:
+        raise ValueError(f"The teacher kind {name!r} is registered already.")
+    TEACHER_KINDS[name] = TeacherKind(name, source_class, build)
+
+
+def teacher_kind(name: str) -> TeacherKind:
+    if name not in TEACHER_KINDS:
+        raise ValueError(f"Unknown teacher kind {name!r}; registered: {', '.join(TEACHER_KINDS)}.")
+    return TEACHER_KINDS[name]
+
+
+def describe(args, teacher_model=None) -> list[TeacherSpec]:
+    """The run's teachers as specs: `args.teachers` (parsed as the config was built), else one spec named
+    ``"teacher"`` from the single-teacher flags (a `teacher_model` object or name passed to the trainer first), else
+    none (alpha 0 without a teacher). With a server, the model flag names the served model."""
+    if args.teachers is not None:
+        return list(args.teachers)
+    model = teacher_model if teacher_model is not None else args.teacher_model_name_or_path
+    if args.teacher_server is not None:
+        return [TeacherSpec(SINGLE, server=args.teacher_server, served_model=model)]
+    if args.teacher_cache is not None:
+        return [TeacherSpec(SINGLE, cache=args.teacher_cache)]
+    return [] if model is None else [TeacherSpec(SINGLE, model=model)]
+
+
+def build_teacher(spec: TeacherSpec, context: BuildContext, *, eval_dataset=None, peft: bool = False) -> TeacherSource:
+    """`spec`'s teacher, its kind's refusals checked first (and the built class's, when the kind picked a subclass:
+    a model whose tokenizer differs from the student's is a cross-tokenizer teacher)."""
+    kind = teacher_kind(spec.kind)
+    kind.source_class.refuse(context.args, eval_dataset=eval_dataset, peft=peft)
+    source = kind.build(spec, context)
+    if type(source) is not kind.source_class:
+        type(source).refuse(context.args, eval_dataset=eval_dataset, peft=peft)
+    return source
