@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="a few steps, 1 seed (about two minutes)")
     parser.add_argument("--output_dir", default=str(HERE / "results"))
     parser.add_argument("--work_dir", default=None, help="default outputs/multi_teacher_kd")
+    parser.add_argument("--reuse_teachers", action="store_true",
+                        help="keep the teachers an earlier run of the same plan trained in --work_dir")
     args = parser.parse_args(argv)
     name = "smoke" if args.smoke else "full"
     plan = dict(PLANS[name])
@@ -107,11 +109,15 @@ def main(argv: list[str] | None = None) -> None:
     test = list(load_dataset("json", data_files=str(paths["test"]), split="train"))
     teachers = {task: work / f"teacher_{task}" for task in TASKS}
 
-    def train_teacher(task: str) -> dict:
-        seconds = cli(paths["teacher_init"], None, teachers[task], data=paths[f"train_{task}"],
-                      steps=plan["teacher_steps"], batch=plan["teacher_batch"], seed=0, alpha=0.0,
-                      divergence="forward_kl", save_every=None)
-        return {"seconds": seconds, **score_tasks(teachers[task], teachers, test)}
+    def train_teacher(task: str) -> float:
+        kept = teachers[task] / "trainer_state.json"
+        if args.reuse_teachers and kept.exists():  # trained before by the same plan: deterministic
+            say(f"reusing the teacher in {teachers[task]}")
+            state = json.loads(kept.read_text())
+            return next(h["train_runtime"] for h in state["log_history"] if "train_runtime" in h)
+        return cli(paths["teacher_init"], None, teachers[task], data=paths[f"train_{task}"],
+                   steps=plan["teacher_steps"], batch=plan["teacher_batch"], seed=0, alpha=0.0,
+                   divergence="forward_kl", save_every=None)
 
     def warm(seed: int) -> dict:
         out = work / "warm" / f"s{seed}"
@@ -119,10 +125,12 @@ def main(argv: list[str] | None = None) -> None:
                       batch=plan["batch"], seed=seed, alpha=0.0, divergence="forward_kl", save_every=None)
         return {"seed": seed, "seconds": seconds, **score_tasks(out, teachers, test)}
 
-    say(f"training the teachers ({plan['teacher_steps']} steps each) and warm-starting the students")
+    say(f"training the teachers ({plan['teacher_steps']} steps each), then warm-starting the students")
     with ThreadPoolExecutor(max_workers=2) as pool:
-        trained = {task: pool.submit(train_teacher, task) for task in TASKS}
-        teacher_scores = {task: future.result() for task, future in trained.items()}
+        seconds = dict(zip(TASKS, pool.map(train_teacher, TASKS), strict=True))  # both, before either scores
+        scored = dict(zip(TASKS, pool.map(lambda task: score_tasks(teachers[task], teachers, test), TASKS),
+                          strict=True))
+        teacher_scores = {task: {"seconds": seconds[task], **scored[task]} for task in TASKS}
         for task, result in teacher_scores.items():
             say(f"teacher {task}: pass@1 " + ", ".join(f"{t} {r['pass@1']:.3f}" for t, r in result["tasks"].items()))
         warmed = list(pool.map(warm, plan["seeds"]))
