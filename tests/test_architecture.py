@@ -155,3 +155,13 @@ def test_no_branch_on_the_kind_of_teacher_outside_the_teacher_package():
 def test_the_trainer_never_names_a_kind_of_teacher():
     source = MODULES["trl_distill.trainer"].read_text()
     assert not [kind for kind in KIND_NAMES if kind in source]
+
+
+def test_only_the_trainer_sets_its_collator():
+    """The collators are composed once, in the trainer, in a stated order: a teacher kind returns `collator(base)`,
+    sequence parallelism likewise; no module reassigns ``data_collator`` (issue 42)."""
+    offenders = [f"{name}:{node.lineno}" for name, path in MODULES.items() if name != "trl_distill.trainer"
+                 for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Assign | ast.AugAssign)
+                 for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                 if isinstance(target, ast.Attribute) and target.attr == "data_collator"]
+    assert offenders == []

@@ -110,8 +110,11 @@ class DistillationTrainer(SFTTrainer):
         try:
             self.vocab_size = shared_vocab_size(self.student.config, self.teacher.vocab_config(self.student.config),
                                                 self.processing_class)
-            self.teacher.attach(self)  # its fit checks, columns and collator
-            sequence_parallel.attach(self)  # long rows split over ranks: position ids, the student's attention
+            self.teacher.attach(self)  # its fit checks and columns
+            sequence_parallel.attach(self)  # long rows split over ranks: the student's attention checked
+            # the collators, composed once: SFT's (or the caller's) innermost, then the teacher kind's, then
+            # sequence parallelism's position ids outermost
+            self.data_collator = sequence_parallel.collator(self.teacher.collator(self.data_collator), args)
             check_dataset_not_empty(self.train_dataset, "train", "prepared", args.max_length)
             check_sampling_prompts(self.train_dataset, args)  # lmbda / seq_kd: every row needs a prompt
             evaluation = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}

@@ -163,14 +163,20 @@ def check_models_before_loading(args, student, teacher) -> None:
 
 
 def attach(trainer) -> None:
-    """Once the trainer is built: the student runs the exchanged attention, and every batch carries position ids
-    (outermost collator: a teacher signal of whole rows learns its labels, to be split per rank)."""
-    if sequence_parallel_size(trainer.args) == 1:
-        return
+    """Once the trainer is built: the student must run an attention the exchange can wrap."""
+    if sequence_parallel_size(trainer.args) > 1:
+        check_sharded_attention(trainer.student, trainer.args, "student")
+
+
+def collator(base, args):
+    """`base` wrapped so that every batch carries position ids, padded to a multiple of the size (the outermost
+    collator: a teacher signal of whole rows learns its labels, to be split per rank); `base` without sequence
+    parallelism."""
+    if sequence_parallel_size(args) == 1:
+        return base
     from ..data.batch import PositionIdsCollator
 
-    check_sharded_attention(trainer.student, trainer.args, "student")
-    trainer.data_collator = PositionIdsCollator(trainer.data_collator, sequence_parallel_size(trainer.args))
+    return PositionIdsCollator(base, sequence_parallel_size(args))
 
 
 def start_step(trainer, batch_samples: list[dict], device, counted):

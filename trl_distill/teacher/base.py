@@ -108,8 +108,13 @@ class TeacherSource(ABC):
 
     def attach(self, trainer) -> None:
         """Bind to `trainer` (its model, prepared datasets, collator, `vocab_size`): check the run fits this teacher
-        and wrap what needs wrapping. Called once, at the end of the trainer's set-up."""
+        (its `collator` comes after). Called once, at the end of the trainer's set-up."""
         self.trainer = trainer
+
+    def collator(self, base):
+        """`base` wrapped with what this kind adds to each batch (its signal, its own ids); `base` itself when
+        nothing. The trainer composes the collators once, after `attach`, in a stated order."""
+        return base
 
     def prepare(self, accelerator, device: torch.device) -> None:
         """Load and prepare the teacher (collective under DeepSpeed: every rank, once). Nothing for most kinds."""

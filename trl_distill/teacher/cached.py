@@ -47,8 +47,7 @@ class CachedTeacher(TeacherSource):
         return f"the teacher cache {self.cache.directory}"
 
     def attach(self, trainer) -> None:
-        """Check the cache fits the prepared train dataset, number its rows and wrap the collator to add their
-        signal."""
+        """Check the cache fits the prepared train dataset and number its rows (its collator adds their signal)."""
         super().attach(trainer)
         dataset, args = trainer.train_dataset, trainer.args
         if not hasattr(dataset, "add_column") or "labels" not in dataset.column_names:
@@ -56,8 +55,9 @@ class CachedTeacher(TeacherSource):
                              "as SFT's dataset preparation makes it (not an IterableDataset or skip_prepare_dataset).")
         self.cache.check_fits(trainer.processing_class, trainer.vocab_size, args.temperature, args.max_length, dataset)
         trainer.train_dataset = dataset.add_column(self.row_column, np.arange(len(dataset), dtype=np.int64))
-        trainer.data_collator = CachedTeacherCollator(trainer.data_collator, self.cache, self.row_column,
-                                                      self.signal_key)
+
+    def collator(self, base) -> CachedTeacherCollator:
+        return CachedTeacherCollator(base, self.cache, self.row_column, self.signal_key)
 
     def pop_batch(self, inputs: dict):
         return pop_signal(inputs, self.signal_key)

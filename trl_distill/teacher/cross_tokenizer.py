@@ -64,12 +64,14 @@ class CrossTokenizerTeacher(LiveTeacher):
         return student_config  # the student's own vocabulary: the teacher's is mapped onto it by bytes
 
     def attach(self, trainer) -> None:
-        """Build the loss on the shared vocabulary and wrap the collator (the teacher's ids and the groups). The
+        """Build the loss on the shared vocabulary (its collator adds the teacher's ids and the groups). The
         tokenizers differ by design: no id-by-id match is asked (`self.tokenizer` stays None)."""
         super().attach(trainer)
         self.build_loss(trainer.vocab_size, self.config.get_text_config().vocab_size, trainer.loss_settings,
                         announce=trainer.accelerator.is_main_process)
-        trainer.data_collator = CrossTokenizerCollator(trainer.data_collator, self.teacher_tokenizer.pad_token_id or 0)
+
+    def collator(self, base) -> CrossTokenizerCollator:
+        return CrossTokenizerCollator(base, self.teacher_tokenizer.pad_token_id or 0)
 
     def before_step(self, batch_samples: list[dict]) -> None:
         """None: the teacher reads its own ids, per micro-batch."""

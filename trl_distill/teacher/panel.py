@@ -152,8 +152,13 @@ class TeacherPanel(TeacherSource):
             shared_vocab_size(trainer.student.config, member.vocab_config(trainer.student.config),
                               trainer.processing_class)
             member.attach(trainer)
-        if self.routed:
-            trainer.data_collator = RouteCollator(trainer.data_collator)
+
+    def collator(self, base):
+        """Each member's collator around the last, in the order listed; routing outermost (it reads the rows'
+        teacher index)."""
+        for member in self.members.values():
+            base = member.collator(base)
+        return RouteCollator(base) if self.routed else base
 
     def prepare(self, accelerator, device: torch.device) -> None:
         for member in self.members.values():

@@ -90,13 +90,15 @@ class ServedTeacher(TeacherSource):
                              f"{args.teacher_server_concurrency}, {args.teacher_server_timeout}.")
 
     def attach(self, trainer) -> None:
-        """Check the server fits the run, then wrap the collator to fetch every batch's signal."""
+        """Check the server fits the run (its collator fetches every batch's signal)."""
         super().attach(trainer)
         self.check(trainer.processing_class, trainer.vocab_size, trainer.args.max_length)
-        trainer.data_collator = ServedTeacherCollator(trainer.data_collator, self)
         if trainer.accelerator.is_main_process:
             logger.info("Distilling from the teacher %r served at %s: top-%d per loss token, %d requests in flight.",
                         self.name, self.client.url, self.top_k, self.concurrency)
+
+    def collator(self, base) -> ServedTeacherCollator:
+        return ServedTeacherCollator(base, self)
 
     def pop_batch(self, inputs: dict):
         """The batch's signal (waited for here); a server fault met on any rank stops every rank, with its line."""
