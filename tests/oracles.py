@@ -5,7 +5,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from trl_distill.cache.writer import fill_teacher_cache, open_teacher_cache
-from trl_distill.loss.fused import DistillationLossOutput, LossSettings, fused_loss, head_shape, select_loss_rows
+from trl_distill.loss.fused import DistillationLossOutput, fused_loss, head_shape, select_loss_rows
+from trl_distill.loss.settings import LossSettings
 from trl_distill.loss.sparse import SparseSignalChunks, SparseTeacherSignal
 from trl_distill.model.fused_forward import LMHead
 

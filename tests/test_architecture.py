@@ -165,3 +165,15 @@ def test_only_the_trainer_sets_its_collator():
                  for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
                  if isinstance(target, ast.Attribute) and target.attr == "data_collator"]
     assert offenders == []
+
+
+def test_the_loss_reads_only_declared_members_of_a_teacher_signal():
+    """Every member the fused loss reads of a teacher signal or a teacher batch is declared on their abstract bases
+    (`loss.signal.TeacherSignal`, `teacher.base.TeacherBatch`): no `getattr` / `hasattr` probes them (issue 42)."""
+    probed = {"signal", "teacher", "batch", "chunks"}
+    offenders = [f"{name}:{node.lineno}" for name, path in MODULES.items()
+                 if name == "trl_distill.trainer" or name.startswith(("trl_distill.loss", "trl_distill.teacher"))
+                 for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr")
+                 and isinstance(node.args[0], ast.Name) and node.args[0].id in probed]
+    assert offenders == []

@@ -17,7 +17,8 @@ from .data import prepare
 from .data.batch import loss_tokens
 from .evaluation.fields import eval_sampling_temperature
 from .evaluation.generation import GenerationEvaluation, eval_settings
-from .loss.fused import LossSettings, fused_loss, select_loss_rows
+from .loss.fused import fused_loss, select_loss_rows
+from .loss.settings import LossSettings
 from .model.fused_forward import LossFeatures, add_fused_distillation_forward, gathered
 from .model.logit_check import announce, settle_logit_paths_by_inputs
 from .rollout.on_policy import STUDENT as STUDENT_SAMPLES
@@ -360,11 +361,11 @@ class DistillationTrainer(SFTTrainer):
         """Runs inside the student's forward: both lm_heads (or the student's and the teacher's signal), a chunk of
         completion rows at a time; a model on the exact path hands its own logits instead."""
         s_flat, rows, labels = select_loss_rows(student.states, mask, target.clamp(min=0))
-        heads = [h for h in (student.head, *getattr(teacher, "heads", (teacher.head,))) if h is not None]
+        heads = [h for h in (student.head, *teacher.heads) if h is not None]
         settings = self.loss_settings
         with gathered(*(p for head in heads for p in head.params)):
             signal = teacher.signal(rows, len(labels), settings)
-            if getattr(signal, "order", None) is not None:  # routed: the rows teacher by teacher (`loss.combined`)
+            if signal.order is not None:  # routed: the rows teacher by teacher (`loss.combined`)
                 rows, labels = rows.index_select(0, signal.order), labels.index_select(0, signal.order)
             return fused_loss(s_flat, student.head, signal, settings, rows, labels, num_items_in_batch, correction,
                               self.metrics.diagnostics())

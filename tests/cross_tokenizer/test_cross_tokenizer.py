@@ -18,7 +18,7 @@ from trl_distill.cross_tokenizer import (
     uld_distance,
 )
 from trl_distill.loss.divergences import LOSS_TYPES, per_token_divergence
-from trl_distill.loss.fused import LossSettings
+from trl_distill.loss.settings import LossSettings
 from trl_distill.testing import build_sentencepiece_style_tokenizer, build_tokenizer
 
 CORPUS = ["the small teacher reads the long book", "a student writes the short answer", "café naïve"] * 20

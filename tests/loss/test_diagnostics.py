@@ -5,8 +5,10 @@ import pytest
 import torch
 from oracles import reference_diagnostics
 
+from trl_distill.loss.dense import DenseTeacherSignal
 from trl_distill.loss.diagnostics import METRICS, LossDiagnostics
-from trl_distill.loss.fused import DenseTeacherSignal, LossSettings, fused_loss
+from trl_distill.loss.fused import fused_loss
+from trl_distill.loss.settings import LossSettings
 from trl_distill.loss.sparse import SparseSignalChunks, top_k_teacher_signal
 from trl_distill.model.fused_forward import LMHead
 

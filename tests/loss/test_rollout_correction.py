@@ -6,8 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from tests.loss.test_divergences import reference_per_token
-from trl_distill.loss.fused import DenseTeacherSignal, LossSettings, fused_loss
+from trl_distill.loss.dense import DenseTeacherSignal
+from trl_distill.loss.fused import fused_loss
 from trl_distill.loss.rollout_correction import RolloutCorrection
+from trl_distill.loss.settings import LossSettings
 from trl_distill.loss.sparse import SparseSignalChunks, top_k_teacher_signal
 
 N, H, V, T = 13, 8, 24, 2.0

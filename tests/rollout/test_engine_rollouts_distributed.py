@@ -122,7 +122,7 @@ def test_two_processes_and_a_zero3_teacher_of_another_tokenizer_score_the_rollou
     from transformers import AutoTokenizer
 
     from trl_distill.cross_tokenizer import CrossTokenizerLoss, shared_vocabulary
-    from trl_distill.loss.fused import LossSettings
+    from trl_distill.loss.settings import LossSettings
 
     ranks = read_rank_records(rollout_runs / "cross")
     student = AutoModelForCausalLM.from_pretrained(rollout_server["student"]).eval()

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..loss.divergences import at_temperature, per_token_divergence
-from ..loss.fused import LossSettings
+from ..loss.settings import LossSettings
 from .vocabulary import SharedVocabulary
 
 

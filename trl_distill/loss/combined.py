@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .dense import DenseTeacherSignal
 from .diagnostics import LossDiagnostics, observe_dense
-from .fused import DenseTeacherSignal
+from .signal import TeacherSignal
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from .fused import LossSettings
-    from .signal import TeacherSignal
+    from .settings import LossSettings
 
 __all__ = ["MixtureSignal", "RoutedSignal", "SumSignal", "routed_order"]
 
@@ -46,14 +46,14 @@ def routed_order(route: Tensor, count: int) -> tuple[Tensor, list[int]]:
     return order, bounds
 
 
-def own_metrics(signal, like: LossDiagnostics) -> list[LossDiagnostics]:
+def own_metrics(signal: RoutedSignal | SumSignal, like: LossDiagnostics) -> list[LossDiagnostics]:
     """The per-teacher metrics of a signal of several teachers (made on `like`'s device at its first chunk)."""
-    if getattr(signal, "own", None) is None:
+    if signal.own is None:
         signal.own = [LossDiagnostics(like.sums.device) for _ in signal.signals]
     return signal.own
 
 
-class RoutedSignal:
+class RoutedSignal(TeacherSignal):
     """One teacher per loss row: `signals[i]` covers teacher i's rows, which are rows ``bounds[i]:bounds[i+1]`` of the
     loss once it has taken its rows in `order` (`routed_order`)."""
 
@@ -92,8 +92,7 @@ class RoutedSignal:
 
     def observe_batch(self, into: LossDiagnostics) -> None:
         for signal, own in zip(self.signals, own_metrics(self, into), strict=True):
-            if hasattr(signal, "observe_batch"):
-                signal.observe_batch(own)
+            signal.observe_batch(own)
             into.merge(own)
 
     def tally(self, rows: slice, kd: Tensor) -> None:
@@ -101,7 +100,7 @@ class RoutedSignal:
         self.parts[i] = self.parts[i] + kd
 
 
-class MixtureSignal:
+class MixtureSignal(TeacherSignal):
     """The mixture ``Σ w_i p_i`` of dense teachers' distributions (weights summing to 1) as one teacher."""
 
     closed_form = True
@@ -127,7 +126,7 @@ class MixtureSignal:
     observe = staticmethod(DenseTeacherSignal.observe)
 
 
-class SumSignal:
+class SumSignal(TeacherSignal):
     """``Σ w_i D(p_i ‖ q)``: each teacher's divergence from its own signal (any kind), weighted."""
 
     closed_form = False

@@ -8,7 +8,6 @@ formulas are in `trl_distill.loss.divergences`; everything about the loss that i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -17,56 +16,18 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..model.fused_forward import LMHead, finalise_logits
-from .diagnostics import LossDiagnostics, observe_dense
-from .divergences import DIVERGENCES, at_temperature, check_divergence, normalise_sum
+from .dense import DenseTeacherSignal
+from .diagnostics import LossDiagnostics
+from .divergences import at_temperature, normalise_sum
+from .settings import LossSettings, default_chunk_size
 from .workspace import Workspace
 
 if TYPE_CHECKING:
     from .rollout_correction import RolloutCorrection
     from .signal import TeacherSignal
 
-__all__ = ["DenseTeacherSignal", "DistillationLossOutput", "LossSettings", "chunked_distillation_loss",
-           "chunked_divergence", "default_chunk_size", "fused_loss", "select_loss_rows"]
-
-# One chunk's fp32 logits hold about this many elements when ``chunk_size`` is None.
-_AUTO_CHUNK_ELEMENTS = 1 << 25
-
-
-def default_chunk_size(vocab: int) -> int:
-    """Rows per chunk so that one chunk of fp32 logits holds about 2^25 elements (128 MiB)."""
-    return max(1, _AUTO_CHUNK_ELEMENTS // vocab)
-
-
-@dataclass(frozen=True)
-class LossSettings:
-    """Everything about the distillation loss that is not a tensor, validated once.
-
-    ``divergence`` and its ``beta`` (JSD) / ``skew_alpha`` (skew KLs); ``temperature`` for both distributions;
-    ``chunk_size`` rows projected at a time (None: `default_chunk_size`); ``vocab_size`` logits compared (None: the
-    smaller vocabulary); ``kd_grad`` / ``ce_grad``: whether that term gets a gradient (a term weighted 0 is only
-    logged, with no gradient buffers).
-    """
-
-    divergence: str = "forward_kl"
-    beta: float = 0.5
-    skew_alpha: float = 0.1
-    temperature: float = 1.0
-    chunk_size: int | None = None
-    vocab_size: int | None = None
-    kd_grad: bool = True
-    ce_grad: bool = True
-
-    def __post_init__(self):
-        check_divergence(self.divergence, self.beta, self.skew_alpha, self.temperature)
-        if self.chunk_size is not None and self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}.")
-        if self.vocab_size is not None and self.vocab_size < 1:
-            raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}.")
-
-    def per_token(self, student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
-        """This divergence per token: log-probs ``[N, V]`` x2 -> ``[N]``."""
-        return DIVERGENCES[self.divergence](student_logp, teacher_logp, self.beta, self.skew_alpha)
-
+__all__ = ["DistillationLossOutput", "chunked_distillation_loss", "chunked_divergence", "fused_loss",
+           "select_loss_rows"]
 
 # ----------------------------------------------------------------------------------------------------
 # Chunked fused lm-head + divergence (+ CE)
@@ -119,39 +80,6 @@ def _backprop(g: Tensor, hs: Tensor, weight: Tensor | None, gh: Tensor | None, g
         gw.add_(torch.mm(g_low.T, hs_low, out=work.get("gw.low", *gw.shape, g_low.dtype, g_low.device)))
     if gb is not None:
         gb.add_(g.sum(0))
-
-
-class DenseTeacherSignal:
-    """The teacher side of the chunked loss from its hidden states: log-probs ``[c, vocab]`` one chunk at a time.
-
-    ``states`` ``[n, H_t]`` hold the selected rows only, projected through ``head`` (its first ``vocab`` rows); with no
-    head, ``states`` ``[n, V_t]`` are the teacher's own logits."""
-
-    closed_form = True  # the chunk is full log-probs: the forward KL gradient has a closed form
-
-    def __init__(self, states: Tensor, head: LMHead | None, vocab: int, temperature: float):
-        self.states, self.head, self.vocab, self.temperature = states, head, vocab, temperature
-        self.work = Workspace()  # this signal's chunk buffers, reused chunk after chunk
-        if head is not None:
-            self.weight = head.weight.detach()[:vocab]
-            self.bias = None if head.bias is None else head.bias.detach()[:vocab]
-
-    def chunk(self, rows: slice, compute: torch.dtype) -> Tensor:
-        if self.head is None:
-            logits = self.states[rows, : self.vocab].to(compute)
-        else:
-            logits = self.work.linear("teacher", self.states[rows], self.weight, self.bias, compute)
-            logits = finalise_logits(logits, self.head.logit_scale, self.head.softcap)
-        return self.work.log_softmax("teacher", at_temperature(logits, self.temperature))
-
-    @staticmethod
-    def per_token(student_logp: Tensor, teacher_logp: Tensor, settings: LossSettings) -> Tensor:
-        return settings.per_token(student_logp, teacher_logp)
-
-    @staticmethod
-    def observe(into: LossDiagnostics, rows: slice, logits: Tensor, teacher_logp: Tensor, labels: Tensor | None,
-                settings: LossSettings) -> None:
-        observe_dense(into, logits, teacher_logp, labels, settings.temperature)
 
 
 class _ChunkedDistillation(torch.autograd.Function):
@@ -207,8 +135,8 @@ class _ChunkedDistillation(torch.autograd.Function):
         ce_sum = h_s.new_zeros((), dtype=compute)
 
         scale, softcap = (None, None) if head is None else (head.logit_scale, head.softcap)
-        work = getattr(teacher, "work", None) or Workspace()  # chunk buffers, shared with a dense teacher's
-        for rows_c in chunk_slices(n, chunk_size, getattr(teacher, "bounds", None)):
+        work = teacher.work or Workspace()  # chunk buffers, shared with a dense teacher's
+        for rows_c in chunk_slices(n, chunk_size, teacher.bounds):
             hs = h_s[rows_c]
             signal = teacher.chunk(rows_c, compute)
             if s_weight is None:  # the model's own logits: a copy, so nothing below writes into them
@@ -255,8 +183,7 @@ class _ChunkedDistillation(torch.autograd.Function):
                     if want_grad and ce_grad:
                         outputs.append((ce, gh_ce, gw_ce, gb_ce))
             kd_sum += kd.detach()
-            if hasattr(teacher, "tally"):  # a signal of several teachers counts each one's part
-                teacher.tally(rows_c, kd.detach())
+            teacher.tally(rows_c, kd.detach())  # a signal of several teachers counts each one's part
             ce_sum += ce.detach() if has_ce else 0.0
             if not want_grad:
                 continue
@@ -363,7 +290,7 @@ def fused_loss(
     kd_sum, ce_sum = _ChunkedDistillation.apply(student_states, weight, bias, rows, labels, teacher, settings,
                                                 student_head, vocab, chunk, torch.is_grad_enabled(), correction,
                                                 diagnostics)
-    if diagnostics is not None and hasattr(teacher, "observe_batch"):
+    if diagnostics is not None:
         teacher.observe_batch(diagnostics)
     kd = normalise_sum(kd_sum, n, num_items_in_batch)
     ce = normalise_sum(ce_sum, n, num_items_in_batch) if labels is not None else None

@@ -25,7 +25,8 @@ from torch import Tensor
 
 from .diagnostics import LossDiagnostics, observe_buckets
 from .divergences import at_temperature
-from .fused import LossSettings
+from .settings import LossSettings
+from .signal import TeacherSignal
 
 __all__ = ["SparseSignalChunks", "SparseTeacherSignal", "top_k_teacher_signal"]
 
@@ -61,7 +62,7 @@ def bucketed(student_log_probs: Tensor, ids: Tensor) -> Tensor:
     return torch.cat([top, tail.clamp_min(_EMPTY_LOG_PROB)], dim=1)
 
 
-class SparseSignalChunks:
+class SparseSignalChunks(TeacherSignal):
     """The teacher side of the chunked loss (see `losses.fused_loss`) from a cached sparse signal over ``n`` selected
     tokens, checked against the batch (row count, ids below ``vocab``)."""
 

@@ -15,7 +15,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, replace
 
-from ..loss.fused import default_chunk_size
+from ..loss.settings import default_chunk_size
 
 GIB = 1024**3
 HEADROOM = 0.10  # CUDA context, NCCL/allocator buffers, fragmentation

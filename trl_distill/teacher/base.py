@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,19 +21,25 @@ from .support import Mode, active_modes
 if TYPE_CHECKING:
     from accelerate.utils import DeepSpeedPlugin
 
-    from ..loss.fused import LossSettings
+    from ..loss.settings import LossSettings
     from ..loss.signal import TeacherSignal
     from ..model.fused_forward import LMHead
 
 logger = logging.getLogger(__name__)
 
 
-class TeacherBatch(Protocol):
+class TeacherBatch(ABC):
     """A kind's teacher over one micro-batch's loss rows, made before the student's forward (`for_batch`)."""
 
-    head: LMHead | None
+    head: LMHead | None = None
     """The teacher's lm_head to gather around the loss (None: nothing to gather)."""
 
+    @property
+    def heads(self) -> tuple[LMHead | None, ...]:
+        """Every lm_head to gather around the loss (several teachers: each one's)."""
+        return (self.head,)
+
+    @abstractmethod
     def signal(self, rows: torch.Tensor | None, n: int, settings: LossSettings) -> TeacherSignal:
         """The `loss.signal.TeacherSignal` over the `n` loss rows the student selected (`rows`: their row-major
         indices into the ``[B·K]`` kept positions)."""

@@ -22,8 +22,10 @@ from ..cross_tokenizer.sampled import align_sampled
 from ..cross_tokenizer.vocabulary import shared_vocabulary
 from ..loss.diagnostics import LossDiagnostics, observe_groups
 from ..loss.divergences import at_temperature
-from ..loss.fused import LossSettings
+from ..loss.settings import LossSettings
+from ..loss.signal import TeacherSignal
 from ..runtime.validation import check_teacher_finite
+from .base import TeacherBatch
 from .live import LiveTeacher
 
 logger = logging.getLogger(__name__)
@@ -223,7 +225,7 @@ def cross_batch(examples: list[dict], pad_id: int) -> tuple:
     return teacher_ids, teacher_mask, torch.tensor(groups, dtype=torch.long).reshape(-1, 3), prompts
 
 
-class CrossRows:
+class CrossRows(TeacherBatch):
     """The teacher's last hidden states (or own logits, on the exact path) laid onto the loss's rows; zeros, and
     ``is_group`` False, on rows no group starts at (a `base.TeacherBatch`)."""
 
@@ -246,7 +248,7 @@ class CrossRows:
         return CrossTokenizerSignal(own, self.loss, settings.temperature)
 
 
-class CrossTokenizerSignal:
+class CrossTokenizerSignal(TeacherSignal):
     """The teacher side of `losses.fused_loss` across tokenizers: per chunk of rows, the teacher's logits at the
     temperature, and the per-group loss against the student's log-probs (0 on rows that start no group)."""
 

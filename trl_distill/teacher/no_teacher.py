@@ -7,14 +7,15 @@ from __future__ import annotations
 import torch
 
 from ..loss.diagnostics import observe_student
-from .base import TeacherSource
+from ..loss.signal import TeacherSignal
+from .base import TeacherBatch, TeacherSource
 
 SFT_ONLY = ("Training with alpha=0 and no teacher: the cross-entropy on the dataset's completions alone, as "
             "trl.SFTTrainer trains (no teacher is loaded; kd_loss logs 0).")
 """The one line rank 0 says when a run trains so."""
 
 
-class NoSignal:
+class NoSignal(TeacherSignal):
     """A `loss.signal.TeacherSignal` with no teacher behind it: KD 0 on every row; the student's entropy and CE are
     still measured."""
 
@@ -30,8 +31,7 @@ class NoSignal:
         observe_student(into, logits, labels)
 
 
-class NoTeacherBatch:
-    head = None
+class NoTeacherBatch(TeacherBatch):
 
     def signal(self, rows, n: int, settings) -> NoSignal:
         return NoSignal()

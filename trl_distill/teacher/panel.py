@@ -18,7 +18,7 @@ import torch
 from .. import compat
 from ..data.batch import SIGNAL, loss_tokens
 from ..loss.combined import MixtureSignal, RoutedSignal, SumSignal, routed_order
-from .base import TeacherSource
+from .base import TeacherBatch, TeacherSource
 from .cached import ROW, CachedTeacher
 from .live import LiveTeacher
 from .served import ServedTeacher
@@ -225,14 +225,15 @@ class TeacherPanel(TeacherSource):
             member.release()
 
 
-class PanelBatch:
+class PanelBatch(TeacherBatch):
     """The panel's teachers over one micro-batch: each member's own batch, combined into one signal."""
-
-    head = None
 
     def __init__(self, panel: TeacherPanel, batches: list, route: torch.Tensor | None, mask: torch.Tensor):
         self.panel, self.batches, self.route, self.mask = panel, batches, route, mask
-        self.heads = tuple(batch.head for batch in batches)  # gathered around the loss
+
+    @property
+    def heads(self) -> tuple:
+        return tuple(batch.head for batch in self.batches)  # gathered around the loss
 
     def signal(self, rows: torch.Tensor | None, n: int, settings):
         panel = self.panel

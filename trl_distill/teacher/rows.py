@@ -7,13 +7,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..loss.fused import DenseTeacherSignal, LossSettings
+from ..loss.dense import DenseTeacherSignal
+from ..loss.settings import LossSettings
 from ..loss.sparse import SparseSignalChunks, SparseTeacherSignal
 from ..model.fused_forward import LMHead
+from .base import TeacherBatch
 
 
 @dataclass
-class DenseRows:
+class DenseRows(TeacherBatch):
     """A teacher model's last hidden states and lm_head (or, with ``head`` None, its own logits).
 
     ``states`` ``[B, K, F]`` at the kept positions, or, when ``selected``, ``[n, F]`` at the loss rows already (row,
@@ -39,7 +41,7 @@ class DenseRows:
 
 
 @dataclass
-class SparseRows:
+class SparseRows(TeacherBatch):
     """The teacher's top-k and tail per loss token, read from a cache or fetched from a server."""
 
     sparse: SparseTeacherSignal
