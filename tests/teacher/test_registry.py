@@ -42,6 +42,26 @@ def test_the_single_teacher_flags_and_the_teacher_list_describe_the_run_as_specs
     assert describe(again) == describe(several) == describe(pickle.loads(pickle.dumps(several)))
 
 
+@pytest.mark.parametrize("flags", [
+    {"teacher_model_name_or_path": "/m", "teacher_model_init_kwargs": {"revision": "r1"},
+     "teacher_deepspeed": {"zero_optimization": {"stage": 3}}},
+    {"teacher_model_name_or_path": "self"},
+    {"teacher_cache": "/c"},
+    {"teacher_server": "http://h:8000", "teacher_model_name_or_path": "big"},
+    {"teachers": ["a=/m", {"name": "b", "model": "/m2", "deepspeed": {"train_batch_size": 8}}, "c=cache:/c"],
+     "teacher_combine": "sum", "teacher_weights": [0.5, 0.25, 0.25]},
+], ids=["model", "self", "cache", "server", "several"])
+def test_every_kind_of_teacher_config_is_json_that_builds_the_same_teachers(tmp_path, flags):
+    """`to_json_string()` (TensorBoard's and W&B's callbacks call it as training starts) for every kind of teacher:
+    the JSON fields given back to the config describe the same teachers."""
+    args = config(tmp_path, **flags)
+    written = json.loads(args.to_json_string())
+    again = config(tmp_path, **{key: written[key] for key in flags})
+    assert describe(again) == describe(args) and describe(args)
+    assert {key: getattr(again, key) for key in flags if key != "teachers"} == \
+        {key: getattr(args, key) for key in flags if key != "teachers"}
+
+
 def test_a_trainer_builds_its_teacher_through_the_registry(tiny_pair, tmp_path, monkeypatch):
     """Replacing the registered builder of a kind changes what the trainer gets: the kind is chosen there only."""
     built = []
