@@ -114,9 +114,9 @@ experiment-cross: setup
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality/cross_tokenizer_kd.py
 
-# Two teachers at once: the stdlib corpus split by topic into halves, a teacher trained on each; students from A,
-# from B, from both (routed by half, and mixed with equal weights), 3 seeds; held-out CE on the union. Writes
-# benchmarks/quality/results/multi_teacher_kd.{json,md} and its table in docs/benchmarks.md
+# Two teachers, each expert at a verifiable task (worked multiplication, worked addition); students SFT-warm-started on
+# the union, then KD from each alone, from both routed and mixed, or SFT only, 3 seeds; held-out pass@1 per task and on
+# the union (about 30 minutes). Writes benchmarks/quality/results/multi_teacher_kd.{json,md} and its docs table
 experiment-multi: setup
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality/multi_teacher_kd.py
 
