@@ -177,3 +177,36 @@ def test_the_loss_reads_only_declared_members_of_a_teacher_signal():
                  if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr")
                  and isinstance(node.args[0], ast.Name) and node.args[0].id in probed]
     assert offenders == []
+
+
+STILL_HOLDING_THE_TRAINER = {  # issue 42 moves these to `runtime.context.RunContext` one by one; none may be added
+    "trl_distill.cache.writer", "trl_distill.compat", "trl_distill.model.sharded_attention",
+    "trl_distill.rollout.engine_rollouts", "trl_distill.rollout.on_policy", "trl_distill.runtime.checkpoints",
+    "trl_distill.runtime.metrics", "trl_distill.runtime.sequence_parallel", "trl_distill.teacher.base",
+    "trl_distill.teacher.cached", "trl_distill.teacher.cross_tokenizer", "trl_distill.teacher.live",
+    "trl_distill.teacher.panel", "trl_distill.teacher.self_distill", "trl_distill.teacher.served",
+    "trl_distill.teacher.step_pass",
+}
+
+
+def holds_the_trainer(tree: ast.AST) -> bool:
+    """Stores it (``x.trainer = ...``) or takes it (a parameter named ``trainer``)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "trainer"
+                                                for t in node.targets):
+            return True
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and any(
+                a.arg == "trainer" for a in node.args.args + node.args.kwonlyargs):
+            return True
+    return False
+
+
+def test_no_module_takes_or_stores_the_trainer_but_those_not_yet_moved_to_the_run_context():
+    """Collaborators receive a `RunContext` (arguments, accelerator, device, step, training, logger), not the trainer
+    (issue 42). The list above only shrinks: a module that stops holding the trainer must leave it."""
+    holding = {name for name, path in MODULES.items() if name != "trl_distill.trainer"
+               and holds_the_trainer(ast.parse(path.read_text()))}
+    assert holding == STILL_HOLDING_THE_TRAINER, (holding - STILL_HOLDING_THE_TRAINER,
+                                                  STILL_HOLDING_THE_TRAINER - holding)
+    assert not holds_the_trainer(ast.parse(MODULES["trl_distill.runtime.guards"].read_text()))
+    assert holds_the_trainer(ast.parse("class A:\n    def __init__(self, trainer):\n        self.trainer = trainer\n"))

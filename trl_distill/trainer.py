@@ -31,6 +31,7 @@ from .rollout.on_policy import (
 from .rollout.sampling import Sampling
 from .runtime import sequence_parallel, validation
 from .runtime.checkpoints import resume_point, run_record, save_complete_checkpoint, student_identity
+from .runtime.context import RunContext
 from .runtime.log_setup import setup_logging
 from .runtime.metrics import DistillMetrics, TrainingBounds
 from .runtime.run_lock import refuse_if_locked, take_run_lock
@@ -132,6 +133,8 @@ class DistillationTrainer(SFTTrainer):
         # ask the Trainer for that count (`num_items_in_batch`), taken over the shifted labels.
         self.model_accepts_loss_kwargs = True
         compat.count_items_over_shifted_labels(self)
+        # what collaborators receive instead of the trainer (issue 42: the guards so far)
+        self.context = RunContext(args, self.accelerator, lambda: self.state.global_step, lambda: self.model.training)
         self.metrics = DistillMetrics(self)  # kd_loss and ce_loss, logged beside loss
         self.sampler = CompletionSampler(self)  # on-policy / sequence-level completions (lmbda, seq_kd)
         self.logit_paths = None  # each model's logit path, settled on the first batch (`settle_logit_paths`)

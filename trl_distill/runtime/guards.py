@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ExternalError
+from .context import RunContext
 
 logger = logging.getLogger("trl_distill")
 
@@ -64,31 +65,31 @@ def check_guard_args(args) -> None:
 
 
 class Guards:
-    """The three guards of one trainer."""
+    """The three guards of one run (handed its `context.RunContext`, not the trainer)."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self, context: RunContext):
+        self.context = context
         self.collapsed_logs = 0  # consecutive logging steps past a collapse bound
 
     def check_loss(self, loss: torch.Tensor) -> None:
         """Before the backward: stop on every rank when any rank's loss is not finite (collective)."""
-        trainer = self.trainer
-        if not trainer.args.stop_on_nonfinite_loss:
+        run = self.context
+        if not run.args.stop_on_nonfinite_loss:
             return
         bad = (~torch.isfinite(loss.detach())).float().reshape(1)
-        if trainer.accelerator.num_processes > 1:
-            bad = trainer.accelerator.reduce(bad, reduction="sum")
+        if run.num_processes > 1:
+            bad = run.accelerator.reduce(bad, reduction="sum")
         if bad.item() > 0:
             raise TrainingStopped(
-                f"The student's loss is not finite ({float(loss.detach()):g} on rank {trainer.args.process_index}; "
-                f"not finite on {int(bad.item())} of {trainer.accelerator.num_processes} ranks) at step "
-                f"{trainer.state.global_step + 1}; nothing of this step was applied. Lower the learning "
+                f"The student's loss is not finite ({float(loss.detach()):g} on rank {run.args.process_index}; "
+                f"not finite on {int(bad.item())} of {run.num_processes} ranks) at step "
+                f"{run.step + 1}; nothing of this step was applied. Lower the learning "
                 "rate (or add warmup / max_grad_norm), check the data, and resume from the last complete checkpoint; "
                 "stop_on_nonfinite_loss=False trains on.")
 
     def check_collapse(self, logs: dict[str, float]) -> None:
         """After a training log (the same numbers on every rank): stop after `collapse_patience` collapsed logs."""
-        args = self.trainer.args
+        args = self.context.args
         repetition = logs.get("generated_repetition_rate")
         entropy = logs.get("on_policy_student_entropy")
         if repetition is None and entropy is None:
@@ -100,7 +101,7 @@ class Guards:
         if self.collapsed_logs >= args.collapse_patience:
             raise TrainingStopped(
                 f"On-policy collapse: for {self.collapsed_logs} logging steps in a row up to step "
-                f"{self.trainer.state.global_step} the student's samples "
+                f"{self.context.step} the student's samples "
                 + (f"repeat themselves (generated_repetition_rate {repetition:.3f} > collapse_max_repetition "
                    f"{args.collapse_max_repetition})" if repeats else
                    f"have entropy {entropy:.4f} < collapse_min_entropy {args.collapse_min_entropy}")
@@ -111,11 +112,12 @@ class Guards:
         """At the first step of a fresh run (rank 0): warn when the teacher's CE on that step's dataset rows (not the
         student's own samples, which it rates highly) is worse than the student's, before it trained."""
         teacher, student = means.get("teacher_ce"), means.get("student_ce")
-        if teacher is None or student is None or not math.isfinite(teacher) or self.trainer.args.alpha == 0:
+        args = self.context.args
+        if teacher is None or student is None or not math.isfinite(teacher) or args.alpha == 0:
             return  # (alpha 0: the teacher is only logged, e.g. an SFT-only run that names the student itself)
-        if teacher > student + self.trainer.args.teacher_ce_margin:
+        if teacher > student + args.teacher_ce_margin:
             logger.warning(
                 "trl_distill: at the first step the teacher's cross-entropy on the training data is %.4f, the "
                 "student's before training %.4f: the teacher predicts this data worse than the student it teaches. A "
                 "wrong teacher, or data it was not trained for? (teacher_ce_margin=%g)", teacher, student,
-                self.trainer.args.teacher_ce_margin)
+                args.teacher_ce_margin)

@@ -26,7 +26,7 @@ class DistillMetrics:
         self.teacher_tokens: dict[str, int] = {}  # routed teachers: each one's loss tokens since the last log
         self.teacher_windows: dict[str, LossDiagnostics] = {}  # several teachers: each one's diagnostics
         self.last_logged_step = 0
-        self.guards = Guards(trainer)
+        self.guards = Guards(trainer.context)
         self.window = LossDiagnostics(trainer.args.device)  # training: since the last log
         self.evaluated = LossDiagnostics(trainer.args.device)  # evaluation: the whole set
         self.first_step = LossDiagnostics(trainer.args.device)  # a fresh run's first step, dataset rows only
