@@ -32,6 +32,7 @@ from .rollout.sampling import Sampling
 from .runtime import sequence_parallel, validation
 from .runtime.checkpoints import resume_point, run_record, save_complete_checkpoint, student_identity
 from .runtime.context import RunContext
+from .runtime.guards import Guards
 from .runtime.log_setup import setup_logging
 from .runtime.metrics import DistillMetrics, TrainingBounds
 from .runtime.run_lock import refuse_if_locked, take_run_lock
@@ -134,12 +135,13 @@ class DistillationTrainer(SFTTrainer):
         self.model_accepts_loss_kwargs = True
         compat.count_items_over_shifted_labels(self)
         # what collaborators receive instead of the trainer (issue 42: the guards so far)
-        self.context = RunContext(args, self.accelerator, lambda: self.state.global_step, lambda: self.model.training)
-        self.metrics = DistillMetrics(self)  # kd_loss and ce_loss, logged beside loss
+        self.context = RunContext(args, self.accelerator, lambda: self.state, lambda: self.model.training)
+        self.guards = Guards(self.context)  # a non-finite loss, on-policy collapse, a teacher worse than the student
+        self.metrics = DistillMetrics(self.context, self.guards, partial(compat.eval_metric_values, self))
         self.sampler = CompletionSampler(self)  # on-policy / sequence-level completions (lmbda, seq_kd)
         self.logit_paths = None  # each model's logit path, settled on the first batch (`settle_logit_paths`)
         self.generated: dict[str, float] | None = None  # the generation eval's metrics, for the loop's output
-        self.add_callback(TrainingBounds(self))
+        self.add_callback(TrainingBounds(self.context, self.teacher, self.metrics))
 
     @property
     def student(self) -> PreTrainedModel:
@@ -385,5 +387,7 @@ class DistillationTrainer(SFTTrainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.model.training and "loss" in logs:  # `kd_loss`, `ce_loss`, the diagnostics, reduced like `loss`
-            self.metrics.log_into(logs)  # and the sampler's, then the collapse guard on them
+            self.metrics.log_into(logs)
+            self.sampler.log_into(logs, self.accelerator, self.args.device)  # the sampled completions' statistics
+            self.guards.check_collapse(logs)  # on the same numbers on every rank
         super().log(logs, start_time)

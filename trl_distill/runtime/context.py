@@ -12,22 +12,27 @@ from typing import Any
 
 @dataclass(frozen=True)
 class RunContext:
-    """The run as a collaborator sees it. `step` and `training` are read when asked (the Trainer makes a new state
-    when training starts, and switches the student between train and eval)."""
+    """The run as a collaborator sees it. `state`, `step` and `training` are read when asked (the Trainer makes a new
+    state when training starts, and switches the student between train and eval)."""
 
     args: Any
     """The run's `DistillationConfig`."""
     accelerator: Any
     """The trainer's `accelerate.Accelerator` (the student's, with the teachers' DeepSpeed plugins beside it)."""
-    step_of: Callable[[], int]
-    """The optimizer steps done so far (the Trainer's ``state.global_step``)."""
+    state_of: Callable[[], Any]
+    """The Trainer's `TrainerState` (made anew as training starts): its ``global_step``, ``logging_steps``."""
     training_of: Callable[[], bool]
     """Whether the student is in training mode (False in evaluate())."""
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("trl_distill"))
 
     @property
+    def state(self):
+        return self.state_of()
+
+    @property
     def step(self) -> int:
-        return self.step_of()
+        """The optimizer steps done so far."""
+        return self.state_of().global_step
 
     @property
     def training(self) -> bool:

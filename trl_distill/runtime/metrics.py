@@ -7,55 +7,60 @@ the teacher at the first step and releases what the teacher holds at its end."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import TrainerCallback
 
-from .. import compat
 from ..loss.diagnostics import INTERNAL, LossDiagnostics
+from .context import RunContext
 from .deepspeed_config import print_engine_configs
 from .guards import Guards
 
+if TYPE_CHECKING:
+    from ..teacher.base import TeacherSource
+
 
 class DistillMetrics:
-    """The KD and CE terms of one trainer, from its loss to its logs."""
+    """The KD and CE terms of one run, from its loss to its logs. Handed the run's context, its guards, and
+    `eval_values(name)`: the list a metric's per-sample eval values go to (SFTTrainer averages it as it logs)."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self, context: RunContext, guards: Guards, eval_values: Callable[[str], list]):
+        self.context, self.guards, self.eval_values = context, guards, eval_values
         self.sums = {"kd_loss": 0.0, "ce_loss": 0.0}  # (several teachers: and each one's kd_loss/NAME)
         self.teacher_tokens: dict[str, int] = {}  # routed teachers: each one's loss tokens since the last log
         self.teacher_windows: dict[str, LossDiagnostics] = {}  # several teachers: each one's diagnostics
         self.last_logged_step = 0
-        self.guards = Guards(trainer.context)
-        self.window = LossDiagnostics(trainer.args.device)  # training: since the last log
-        self.evaluated = LossDiagnostics(trainer.args.device)  # evaluation: the whole set
-        self.first_step = LossDiagnostics(trainer.args.device)  # a fresh run's first step, dataset rows only
+        self.window = LossDiagnostics(context.device)  # training: since the last log
+        self.evaluated = LossDiagnostics(context.device)  # evaluation: the whole set
+        self.first_step = LossDiagnostics(context.device)  # a fresh run's first step, dataset rows only
         self.pending: LossDiagnostics | None = None  # the current micro-batch's, filled by the fused loss
         self.scoring: LossDiagnostics | None = None  # sampled rows scored for the generation eval (`scoring_samples`)
 
     def diagnostics(self) -> LossDiagnostics | None:
         """A fresh accumulator for the fused loss of one micro-batch, or None when this one is not measured."""
-        self.pending = LossDiagnostics(self.trainer.args.device) if self.measured() else None
+        self.pending = LossDiagnostics(self.context.device) if self.measured() else None
         return self.pending
 
     def measured(self) -> bool:
         """Whether the current micro-batch's diagnostics are measured: always in evaluation; in training on every
         step with `distill_metrics_every_step`, else on the steps that are logged (and a fresh run's first, for the
         teacher check), every micro-batch of them."""
-        args = self.trainer.args
+        args = self.context.args
         if self.scoring is not None:
             return True
         if not args.log_distill_metrics:
             return False
-        if not self.trainer.model.training or args.distill_metrics_every_step:
+        if not self.context.training or args.distill_metrics_every_step:
             return True
-        step = self.trainer.state.global_step + 1  # the optimizer step this micro-batch belongs to
+        step = self.context.step + 1  # the optimizer step this micro-batch belongs to
         return step == 1 and self.last_logged_step == 0 or self.logged(step)
 
     def logged(self, step: int) -> bool:
         """Whether training logs at the end of optimizer step `step` (an epoch's last step is not known ahead: with
         ``logging_strategy="epoch"`` every step counts)."""
-        args, state = self.trainer.args, self.trainer.state
+        args, state = self.context.args, self.context.state
         if args.logging_strategy == "epoch":
             return True
         return args.logging_strategy == "steps" and bool(state.logging_steps) and (
@@ -65,7 +70,7 @@ class DistillMetrics:
                on_policy: bool = False) -> None:
         """After one micro-batch's loss: its terms, its diagnostics (`on_policy`: the student sampled its
         completions) and, in training, the non-finite guard (collective)."""
-        trainer, pending, self.pending = self.trainer, self.pending, None
+        run, pending, self.pending = self.context, self.pending, None
         if self.scoring is not None:  # the generation eval's samples: their diagnostics only, apart from the loss's
             if pending is not None:
                 self.scoring.merge(pending)
@@ -74,27 +79,27 @@ class DistillMetrics:
             pending.copy_as("teacher_ce", "on_policy_teacher_logprob", sign=-1.0)
             pending.copy_as("student_entropy", "on_policy_student_entropy")
         if pending is not None:
-            (self.window if trainer.model.training else self.evaluated).merge(pending)
-            if trainer.model.training and not on_policy and self.last_logged_step == 0 and \
-                    trainer.state.global_step == 0:  # the teacher check judges it on the data, not on samples
+            (self.window if run.training else self.evaluated).merge(pending)
+            if run.training and not on_policy and self.last_logged_step == 0 and \
+                    run.step == 0:  # the teacher check judges it on the data, not on samples
                 self.first_step.merge(pending)
-        if trainer.model.training:
+        if run.training:
             self.guards.check_loss(loss)
             self.sums["kd_loss"] += kd.detach()
             self.sums["ce_loss"] += ce.detach()
             return
         # Like `eval_loss`: one value per sample, duplicates of an uneven last batch dropped.
         for name, value in (("kd_loss", kd), ("ce_loss", ce)):
-            values = trainer.accelerator.gather_for_metrics(value.detach().reshape(1).repeat(batch_size))
-            compat.eval_metric_values(trainer, name).extend(values.tolist())
+            values = run.accelerator.gather_for_metrics(value.detach().reshape(1).repeat(batch_size))
+            self.eval_values(name).extend(values.tolist())
 
     def record_teachers(self, kd: torch.Tensor, parts: dict | None, own: dict | None = None) -> None:
         """Several teachers, in training: each one's part of this micro-batch's `kd` (its share of the KD sum, so the
         parts add up to `kd_loss`), routed its loss tokens, and its own diagnostics (`own`, when measured)."""
-        if parts is None or not self.trainer.model.training:
+        if parts is None or not self.context.training:
             return
         for name, measured in (own or {}).items():
-            self.teacher_windows.setdefault(name, LossDiagnostics(self.trainer.args.device)).merge(measured)
+            self.teacher_windows.setdefault(name, LossDiagnostics(self.context.device)).merge(measured)
         total = sum(part.to(kd.device) for part, _ in parts.values())
         for name, (part, tokens) in parts.items():
             share = torch.where(total > 0, part.to(kd.device) / total.clamp_min(1e-30), torch.zeros_like(total))
@@ -103,36 +108,32 @@ class DistillMetrics:
                 self.teacher_tokens[name] = self.teacher_tokens.get(name, 0) + tokens
 
     def log_into(self, logs: dict[str, float]) -> None:
-        """Add the means since the last log to a training log, and the sampler's (collective: every rank logs); then
-        the collapse guard on them."""
-        trainer = self.trainer
-        steps = max(trainer.state.global_step - self.last_logged_step, 1)
+        """Add the means since the last log to a training log (collective: every rank logs)."""
+        run = self.context
+        steps = max(run.step - self.last_logged_step, 1)
         for name, total in self.sums.items():
-            total = torch.as_tensor(total, device=trainer.args.device, dtype=torch.float32)
-            logs[name] = trainer.accelerator.gather(total.reshape(1)).mean().item() / steps
+            total = torch.as_tensor(total, device=run.device, dtype=torch.float32)
+            logs[name] = run.accelerator.gather(total.reshape(1)).mean().item() / steps
             self.sums[name] = 0.0
         if self.teacher_tokens:  # each routed teacher's share of every rank's loss tokens
-            counts = torch.tensor(list(self.teacher_tokens.values()), dtype=torch.float64, device=trainer.args.device)
-            counts = trainer.accelerator.reduce(counts, reduction="sum") if trainer.accelerator.num_processes > 1 \
-                else counts
+            counts = torch.tensor(list(self.teacher_tokens.values()), dtype=torch.float64, device=run.device)
+            counts = run.accelerator.reduce(counts, reduction="sum") if run.num_processes > 1 else counts
             for name, count in zip(self.teacher_tokens, counts.tolist(), strict=True):
                 logs[f"teacher_tokens/{name}"] = count / max(counts.sum().item(), 1.0)
             self.teacher_tokens = dict.fromkeys(self.teacher_tokens, 0)
-        self.last_logged_step = trainer.state.global_step
-        if trainer.args.log_distill_metrics:
+        self.last_logged_step = run.step
+        if run.args.log_distill_metrics:
             logs.update(self.reduced(self.window))
             self.window.reset()
             for name, window in self.teacher_windows.items():  # the same names on every rank: all are listed
                 logs.update({f"{metric}/{name}": value for metric, value in self.reduced(window).items()})
                 window.reset()
-        trainer.sampler.log_into(logs, trainer.accelerator, trainer.args.device)
-        self.guards.check_collapse(logs)  # the same numbers on every rank
 
     def reduced(self, diagnostics: LossDiagnostics, internal: bool = False) -> dict[str, float]:
         """Token means over every rank (collective)."""
         totals = torch.cat([diagnostics.sums, diagnostics.counts])
-        if self.trainer.accelerator.num_processes > 1:
-            totals = self.trainer.accelerator.reduce(totals, reduction="sum")
+        if self.context.num_processes > 1:
+            totals = self.context.accelerator.reduce(totals, reduction="sum")
         means = diagnostics.means(*totals.chunk(2))
         return means if internal else {k: v for k, v in means.items() if k not in INTERNAL}
 
@@ -140,7 +141,7 @@ class DistillMetrics:
     def scoring_samples(self):
         """Inside: each loss's diagnostics go into the yielded `LossDiagnostics` (the teacher's CE of sampled rows
         is its NLL of them) and nothing into the logged metrics."""
-        self.scoring = LossDiagnostics(self.trainer.args.device)
+        self.scoring = LossDiagnostics(self.context.device)
         try:
             yield self.scoring
         finally:
@@ -151,19 +152,19 @@ class DistillMetrics:
 
     def finish_evaluation(self, output):
         """After an evaluation loop (collective): its diagnostics, averaged by SFTTrainer's `log` like `kd_loss`."""
-        if self.trainer.args.log_distill_metrics:
+        if self.context.args.log_distill_metrics:
             for name, value in self.reduced(self.evaluated).items():
-                compat.eval_metric_values(self.trainer, name)[:] = [value]
+                self.eval_values(name)[:] = [value]
         return output
 
     def check_first_step(self, step: int) -> None:
         """At the end of a fresh run's first optimizer step (collective): the teacher-vs-student CE warning."""
-        if step == 1 and self.last_logged_step == 0 and self.trainer.args.log_distill_metrics:
+        if step == 1 and self.last_logged_step == 0 and self.context.args.log_distill_metrics:
             means = self.reduced(self.first_step, internal=True)  # none on a step of the student's samples only
             self.first_step.reset()
-            if self.trainer.accelerator.is_main_process:
+            if self.context.accelerator.is_main_process:
                 self.guards.check_teacher(means)
-            if not (self.logged(1) or self.trainer.args.distill_metrics_every_step):
+            if not (self.logged(1) or self.context.args.distill_metrics_every_step):
                 self.window.reset()  # measured for the check only: the first log is of its own step
 
     def restart(self, step: int) -> None:
@@ -179,19 +180,18 @@ class TrainingBounds(TrainerCallback):
     """As `train()` starts: rank 0 prints both engines' DeepSpeed configs (once), and the metrics count from the
     step training starts at. As it ends: the teacher releases what it holds (computed or requested ahead)."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self, context: RunContext, teacher: TeacherSource, metrics: DistillMetrics):
+        self.context, self.teacher, self.metrics = context, teacher, metrics
         self.configs_printed = False
 
     def on_train_begin(self, args, state, control, **kwargs):
-        trainer = self.trainer
-        if not self.configs_printed and trainer.accelerator.is_main_process:
-            print_engine_configs(trainer.accelerator, trainer.teacher.config_notes)
+        if not self.configs_printed and self.context.accelerator.is_main_process:
+            print_engine_configs(self.context.accelerator, self.teacher.config_notes)
         self.configs_printed = True
-        trainer.metrics.restart(state.global_step)
+        self.metrics.restart(state.global_step)
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.trainer.metrics.check_first_step(state.global_step)
+        self.metrics.check_first_step(state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.trainer.teacher.release()
+        self.teacher.release()
