@@ -44,7 +44,7 @@ import arithmetic_task  # noqa: E402
 from _common import machine, replace_readme_block  # noqa: E402
 from kd_vs_sft import cli, say  # noqa: E402
 from multi_teacher_report import METHODS, markdown, summarize  # noqa: E402
-from on_policy_kd import SIZES, eval_flags, score  # noqa: E402
+from on_policy_kd import SIZES, eval_flags, score, untrained_models  # noqa: E402
 from on_policy_report import curve_of  # noqa: E402
 
 TASKS = {"mul": "multiplication", "add": "addition"}  # the teacher (routing) name: its task
@@ -62,22 +62,12 @@ def prepare(work: Path, plan: dict) -> dict[str, Path]:
     tokenizer, the untrained teacher and one untrained student per seed."""
     from datasets import Dataset
 
-    from trl_distill.testing import build_tiny_model
-
     split_rows = arithmetic_task.union(TASKS, plan["train_rows"], plan["test_rows"])
     paths = arithmetic_task.write(work / "data", 0, 0, split_rows=split_rows)
     for name in TASKS:
         paths[f"train_{name}"] = work / f"data_{name}.jsonl"
         Dataset.from_list([r for r in split_rows["train"] if r["teacher"] == name]).to_json(str(paths[f"train_{name}"]))
-    tokenizer = arithmetic_task.tokenizer()
-    models = {"teacher_init": build_tiny_model(tokenizer, "teacher", seed=0, **SIZES["teacher"])}
-    for seed in plan["seeds"]:
-        models[f"student_init_{seed}"] = build_tiny_model(tokenizer, "student", seed=seed, **SIZES["student"])
-    for key, model in models.items():
-        paths[key] = work / "init" / key
-        model.save_pretrained(paths[key])
-        tokenizer.save_pretrained(paths[key])
-    return paths
+    return paths | untrained_models(work, plan["seeds"])
 
 
 def score_tasks(model_dir: Path, teachers: dict[str, Path], test: list[dict]) -> dict:

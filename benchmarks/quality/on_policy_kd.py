@@ -76,12 +76,18 @@ PLANS = {
 
 def prepare(work: Path, plan: dict) -> dict[str, Path]:
     """The task's splits, its one-character tokenizer, the untrained teacher and one untrained student per seed."""
+    paths = arithmetic_task.write(work / "data", plan["train_rows"], plan["test_rows"])
+    return paths | untrained_models(work, plan["seeds"])
+
+
+def untrained_models(work: Path, seeds: list[int]) -> dict[str, Path]:
+    """The untrained teacher (``teacher_init``) and one untrained student per seed (``student_init_SEED``), each
+    saved with the one-character tokenizer under ``work/init``."""
     from trl_distill.testing import build_tiny_model
 
-    paths = arithmetic_task.write(work / "data", plan["train_rows"], plan["test_rows"])
-    tokenizer = arithmetic_task.tokenizer()
+    paths, tokenizer = {}, arithmetic_task.tokenizer()
     models = {"teacher_init": build_tiny_model(tokenizer, "teacher", seed=0, **SIZES["teacher"])}
-    for seed in plan["seeds"]:
+    for seed in seeds:
         models[f"student_init_{seed}"] = build_tiny_model(tokenizer, "student", seed=seed, **SIZES["student"])
     for key, model in models.items():
         paths[key] = work / "init" / key
