@@ -14,9 +14,10 @@ from trl_distill.model.fused_forward import LMHead
 def write_teacher_cache(trainer, directory: str, *, top_k: int = 64, shard_rows: int = 1024,
                         batch_size: int | None = None, log_prob_dtype: str = "7bit", on_shard=None):
     """`open_teacher_cache` then `fill_teacher_cache`, as `trl-distill cache-teacher` runs them. Collective."""
-    manifest = open_teacher_cache(trainer, directory, top_k=top_k, shard_rows=shard_rows,
-                                  log_prob_dtype=log_prob_dtype)
-    return fill_teacher_cache(trainer, directory, manifest, batch_size=batch_size, on_shard=on_shard)
+    run = (trainer.context, trainer.teacher, trainer.train_dataset, directory)
+    manifest = open_teacher_cache(*run, top_k=top_k, shard_rows=shard_rows, log_prob_dtype=log_prob_dtype,
+                                  run_lock=trainer.run_lock)
+    return fill_teacher_cache(*run, manifest, batch_size=batch_size, on_shard=on_shard)
 
 
 def sparse_distillation_loss(

@@ -179,35 +179,69 @@ def test_the_loss_reads_only_declared_members_of_a_teacher_signal():
     assert offenders == []
 
 
-STILL_HOLDING_THE_TRAINER = {  # issue 42 moves these to `runtime.context.RunContext` one by one; none may be added
-    "trl_distill.cache.writer", "trl_distill.compat", "trl_distill.model.sharded_attention",
-    "trl_distill.rollout.engine_rollouts", "trl_distill.rollout.on_policy", "trl_distill.runtime.checkpoints",
-    "trl_distill.runtime.sequence_parallel", "trl_distill.teacher.base",
-    "trl_distill.teacher.cached", "trl_distill.teacher.cross_tokenizer", "trl_distill.teacher.live",
-    "trl_distill.teacher.panel", "trl_distill.teacher.self_distill", "trl_distill.teacher.served",
-    "trl_distill.teacher.step_pass",
-}
-
-
-def holds_the_trainer(tree: ast.AST) -> bool:
-    """Stores it (``x.trainer = ...``) or takes it (a parameter named ``trainer``)."""
+def holds_the_trainer(tree: ast.AST) -> list[int]:
+    """The lines that store the trainer (``x.trainer = ...``) or take it (a parameter named ``trainer``, or one
+    annotated as a trainer)."""
+    lines = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "trainer"
                                                 for t in node.targets):
-            return True
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and any(
-                a.arg == "trainer" for a in node.args.args + node.args.kwonlyargs):
-            return True
-    return False
+            lines.append(node.lineno)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+                annotation = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                if arg.arg == "trainer" or "Trainer" in annotation:
+                    lines.append(node.lineno)
+    return lines
 
 
-def test_no_module_takes_or_stores_the_trainer_but_those_not_yet_moved_to_the_run_context():
-    """Collaborators receive a `RunContext` (arguments, accelerator, device, step, training, logger), not the trainer
-    (issue 42). The list above only shrinks: a module that stops holding the trainer must leave it."""
-    holding = {name for name, path in MODULES.items() if name != "trl_distill.trainer"
-               and holds_the_trainer(ast.parse(path.read_text()))}
-    assert holding == STILL_HOLDING_THE_TRAINER, (holding - STILL_HOLDING_THE_TRAINER,
-                                                  STILL_HOLDING_THE_TRAINER - holding)
-    for moved in ("trl_distill.runtime.guards", "trl_distill.runtime.metrics"):
-        assert not holds_the_trainer(ast.parse(MODULES[moved].read_text())), moved
+def trainer_attributes() -> set[str]:
+    """What the trainer keeps on itself: every ``self.X = ...`` of trainer.py, and the HF Trainer's members that a
+    collaborator might be tempted to replace."""
+    names = {"data_collator", "train_dataset", "eval_dataset", "model_wrapped", "is_deepspeed_enabled", "deepspeed",
+             "optimizer", "lr_scheduler", "processing_class"}  # (not `model`, `args`: names every client uses)
+    for node in ast.walk(ast.parse(MODULES["trl_distill.trainer"].read_text())):
+        for target in node.targets if isinstance(node, ast.Assign) else []:
+            for leaf in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(leaf, ast.Attribute) and isinstance(leaf.value, ast.Name) and leaf.value.id == "self":
+                    names.add(leaf.attr)
+    return names
+
+
+def assigns_a_trainer_attribute(tree: ast.AST, names: set[str]) -> list[int]:
+    """The lines that assign a trainer's attribute from outside it: ``trainer.X = ...`` (or ``x.trainer.X``), or
+    ``obj.X = ...`` for an attribute the trainer keeps (not ``self.X``: an object's own), or
+    ``setattr(trainer, ...)``."""
+    lines = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AugAssign | ast.AnnAssign) else []
+        for target in targets:
+            for leaf in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if not isinstance(leaf, ast.Attribute):
+                    continue
+                owner = ast.unparse(leaf.value)
+                if owner == "trainer" or owner.endswith(".trainer") or (owner != "self" and leaf.attr in names):
+                    lines.append(node.lineno)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and node.args and \
+                ast.unparse(node.args[0]).split(".")[-1] == "trainer":
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_module_but_the_trainer_takes_or_stores_the_trainer_or_changes_it():
+    """Collaborators receive a `runtime.context.RunContext` (arguments, accelerator, student, collator, tokenizer,
+    vocabulary, logit paths, step, training, logger), not the trainer, and never change it (issue 42). No HF
+    callback of ours needs it either (`TrainerCallback`s get the state and the model), so nothing is allowed."""
+    names = trainer_attributes()
+    holding = {name: lines for name, path in MODULES.items() if name != "trl_distill.trainer"
+               for lines in [holds_the_trainer(ast.parse(path.read_text()))] if lines}
+    changing = {name: lines for name, path in MODULES.items() if name != "trl_distill.trainer"
+                for lines in [assigns_a_trainer_attribute(ast.parse(path.read_text()), names)] if lines}
+    assert holding == {} and changing == {}
     assert holds_the_trainer(ast.parse("class A:\n    def __init__(self, trainer):\n        self.trainer = trainer\n"))
+    assert holds_the_trainer(ast.parse("def f(run: 'DistillationTrainer'):\n    pass\n"))
+    for source in ("trainer.train_dataset = d", "self.trainer.data_collator = c", "context.sharded_attention = s",
+                   "setattr(self.trainer, 'x', 1)", "x.logit_paths, y = a, b"):
+        assert assigns_a_trainer_attribute(ast.parse(source), names), source
+    assert not assigns_a_trainer_attribute(ast.parse("self.model = m\nargs.save_total_limit = None"), names)

@@ -36,7 +36,7 @@ def trainer(tiny_pair, tmp_path_factory):
 
 def test_prepare_inputs_moves_a_batch_as_the_training_step_does(trainer):
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
-    prepared = compat.prepare_inputs(trainer, batch)
+    prepared = trainer.prepared_inputs(batch)
     assert prepared["input_ids"].device == trainer.args.device and torch.equal(prepared["labels"], batch["labels"])
 
 
@@ -45,7 +45,7 @@ def test_num_items_in_batch_counts_the_shifted_labels(trainer):
     from trl import SFTTrainer
 
     batch = {"input_ids": torch.tensor([[1, 2, 3, 4]]), "labels": torch.tensor([[5, -100, 7, 8]])}
-    compat.count_items_over_shifted_labels(trainer)  # (the trainer's own set-up already did)
+    trainer.count_items_over_shifted_labels()  # (the trainer's own set-up already did)
     _, count = SFTTrainer.get_batch_samples(trainer, iter([batch]), 1, trainer.args.device)
     assert int(count) == 2
 
@@ -55,32 +55,32 @@ def test_a_kept_column_survives_the_unused_column_drop(trainer):
 
     dataset = Dataset.from_dict({"input_ids": [[1, 2]], "extra": [1], "junk": [2]})
     trainer._set_signature_columns_if_needed()
-    compat.keep_dataset_column(trainer, "extra")
+    trainer.keep_dataset_column("extra")
     assert trainer._remove_unused_columns(dataset).column_names == ["input_ids", "extra"]
-    assert compat.model_columns(trainer, dataset).column_names == ["input_ids", "extra"]
+    assert trainer.model_columns(dataset).column_names == ["input_ids", "extra"]
 
 
 def test_eval_metric_values_are_averaged_into_the_eval_log(trainer):
-    compat.eval_metric_values(trainer, "kd_loss").extend([1.0, 3.0])
+    trainer.eval_metric_values("kd_loss").extend([1.0, 3.0])
     trainer.model.eval()
     try:
         trainer.log({"eval_loss": 0.5})
     finally:
         trainer.model.train()
-    assert trainer.state.log_history[-1]["eval_kd_loss"] == 2.0 and compat.eval_metric_values(trainer, "kd_loss") == []
+    assert trainer.state.log_history[-1]["eval_kd_loss"] == 2.0 and trainer.eval_metric_values("kd_loss") == []
 
 
 def test_deepspeed_hidden_from_the_evaluation_loop(trainer):
     """(What the evaluation loop does with it is tested where a ZeRO-2 student is evaluated before training:
     tests/test_trainer_distributed.py::test_evaluate_before_and_after_train.)"""
     before = trainer.is_deepspeed_enabled
-    with compat.deepspeed_hidden_from(trainer):
+    with trainer.deepspeed_hidden():
         assert trainer.is_deepspeed_enabled is False
     assert trainer.is_deepspeed_enabled is True and before is False
 
 
 def test_the_output_dir_of_a_run_without_trials(trainer):
-    assert compat.output_dir_of(trainer, None) == trainer.args.output_dir
+    assert trainer.output_dir_for(None) == trainer.args.output_dir
 
 
 def test_valid_dict_fields_let_the_cli_pass_json(tmp_path):
@@ -183,6 +183,32 @@ def test_the_attention_registry_and_model_classes_sequence_parallelism_reads():
     assert compat.causal_lm_class(LlamaConfig()) is LlamaForCausalLM
     assert compat.uses_attention_interface(LlamaForCausalLM)
     assert not compat.uses_attention_interface(compat.causal_lm_class(BloomConfig()))
+
+
+def test_the_attention_override_and_its_removal():
+    """`attention_override`: None while sdpa runs transformers' own; what was registered over it after; an installed
+    `ShardedAttention` puts back what it replaced, and leaves no entry where there was none."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from trl_distill.model.sharded_attention import install_sharded_attention
+
+    assert compat.attention_override("sdpa") is None
+    sharded = install_sharded_attention("sdpa", lambda: True)
+    assert compat.attention_override("sdpa") is sharded and ALL_ATTENTION_FUNCTIONS["sdpa"] is sharded
+    assert sharded.core is compat.core_attention("sdpa")
+    sharded.uninstall()
+    assert compat.attention_override("sdpa") is None
+
+    def wrapper(*args, **kwargs):  # (accelerate's Ulysses wrapper stands there under sequence parallelism)
+        return None
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = wrapper
+    try:
+        sharded = install_sharded_attention("sdpa", lambda: True)
+        sharded.uninstall()
+        assert compat.attention_override("sdpa") is wrapper
+    finally:
+        del ALL_ATTENTION_FUNCTIONS["sdpa"]
 
 
 def test_sequence_parallelism_hidden_restores_the_state():

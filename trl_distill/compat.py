@@ -118,17 +118,21 @@ def reset_accelerate_state() -> None:
 
 # ---- transformers 5.24 / TRL 1.16 ----
 
-def output_dir_of(trainer, trial) -> str:
-    """The directory the Trainer saves this run's checkpoints in (a trial's own): `Trainer._get_output_dir`."""
-    return trainer._get_output_dir(trial)
-
-
 def core_attention(implementation: str):
     """transformers' own attention function for `implementation`, not what was registered over it since (accelerate's
     Ulysses wrapper): the registry's class-level `AttentionInterface._global_mapping` (transformers 5.24)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     return type(ALL_ATTENTION_FUNCTIONS)._global_mapping[implementation]
+
+
+def attention_override(implementation: str):
+    """What was registered over `implementation` in transformers' attention registry (accelerate's Ulysses wrapper,
+    ours), None when it runs transformers' own: the instance's `AttentionInterface._local_mapping` (transformers
+    5.24)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS._local_mapping.get(implementation)
 
 
 def causal_lm_class(config):
@@ -149,43 +153,47 @@ def valid_dict_fields(config_class) -> list[str]:
     return list(config_class._VALID_DICT_FIELDS)
 
 
-def prepare_inputs(trainer, batch: dict) -> dict:
-    """A collated batch moved to the trainer's device as its training step would: `Trainer._prepare_inputs`."""
-    return trainer._prepare_inputs(batch)
+class TrainerInternals:
+    """The HF Trainer's and SFTTrainer's private members that `DistillationTrainer` uses, each behind one named method
+    (transformers 5.24 / TRL 1.16). A base class of the trainer itself: ``self`` is the trainer."""
 
+    def output_dir_for(self, trial) -> str:
+        """The directory the Trainer saves this run's checkpoints in (a trial's own): `Trainer._get_output_dir`."""
+        return self._get_output_dir(trial)
 
-def count_items_over_shifted_labels(trainer) -> None:
-    """Make the Trainer's `num_items_in_batch` count the shifted labels' loss tokens: `Trainer._loss_shifts_labels`."""
-    trainer._loss_shifts_labels = True
+    def prepared_inputs(self, batch: dict) -> dict:
+        """A collated batch moved to the trainer's device as its training step would: `Trainer._prepare_inputs`."""
+        return self._prepare_inputs(batch)
 
+    def count_items_over_shifted_labels(self) -> None:
+        """Make the Trainer's `num_items_in_batch` count the shifted labels' loss tokens:
+        `Trainer._loss_shifts_labels`."""
+        self._loss_shifts_labels = True
 
-def keep_dataset_column(trainer, column: str) -> None:
-    """Keep `column` when the Trainer drops the columns the model's forward does not take
-    (`Trainer._signature_columns`; call after `_set_signature_columns_if_needed`)."""
-    if column not in trainer._signature_columns:
-        trainer._signature_columns = [*trainer._signature_columns, column]
+    def keep_dataset_column(self, column: str) -> None:
+        """Keep `column` when the Trainer drops the columns the model's forward does not take
+        (`Trainer._signature_columns`; call after `_set_signature_columns_if_needed`)."""
+        if column not in self._signature_columns:
+            self._signature_columns = [*self._signature_columns, column]
 
+    def model_columns(self, dataset):
+        """`dataset` with only the columns the Trainer's DataLoader keeps for the collator (the model's signature
+        columns and those `keep_dataset_column` kept): `Trainer._remove_unused_columns`."""
+        return self._remove_unused_columns(dataset)
 
-def model_columns(trainer, dataset):
-    """`dataset` with only the columns the Trainer's DataLoader keeps for the collator (the model's signature columns
-    and those `keep_dataset_column` kept): `Trainer._remove_unused_columns`."""
-    return trainer._remove_unused_columns(dataset)
+    def eval_metric_values(self, name: str) -> list:
+        """SFTTrainer's per-sample eval metric list, averaged and cleared by its `log()`: `SFTTrainer._metrics`."""
+        return self._metrics["eval"][name]
 
-
-def eval_metric_values(trainer, name: str) -> list:
-    """SFTTrainer's per-sample eval metric list, averaged and cleared by its `log()`: `SFTTrainer._metrics`."""
-    return trainer._metrics["eval"][name]
-
-
-@contextlib.contextmanager
-def deepspeed_hidden_from(trainer):
-    """Let the Trainer's evaluation loop treat a DeepSpeed student as a plain module (it reads
-    `Trainer.is_deepspeed_enabled` only to decide whether to build a ZeRO-3 inference engine)."""
-    trainer.is_deepspeed_enabled = False
-    try:
-        yield
-    finally:
-        trainer.is_deepspeed_enabled = True
+    @contextlib.contextmanager
+    def deepspeed_hidden(self):
+        """Let the Trainer's evaluation loop treat a DeepSpeed student as a plain module (it reads
+        `Trainer.is_deepspeed_enabled` only to decide whether to build a ZeRO-3 inference engine)."""
+        self.is_deepspeed_enabled = False
+        try:
+            yield
+        finally:
+            self.is_deepspeed_enabled = True
 
 
 def partitioned_construction():

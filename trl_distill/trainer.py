@@ -11,7 +11,7 @@ import torch
 from transformers import PreTrainedModel
 from trl import SFTTrainer
 
-from . import compat  # the private library APIs we use, each in one named function
+from .compat import TrainerInternals  # the Trainer's private members we use, each in one named method
 from .config import DistillationConfig, as_distillation_config
 from .data import prepare
 from .data.batch import loss_tokens
@@ -20,7 +20,7 @@ from .evaluation.generation import GenerationEvaluation, eval_settings
 from .loss.fused import fused_loss, select_loss_rows
 from .loss.settings import LossSettings
 from .model.fused_forward import LossFeatures, add_fused_distillation_forward, gathered
-from .model.logit_check import announce, settle_logit_paths_by_inputs
+from .model.logit_check import LogitPaths
 from .rollout.on_policy import STUDENT as STUDENT_SAMPLES
 from .rollout.on_policy import (
     CompletionSampler,
@@ -41,7 +41,7 @@ from .teacher import TeacherBatch, resolve_teacher
 from .teacher.live import STUDENT
 
 
-class DistillationTrainer(SFTTrainer):
+class DistillationTrainer(TrainerInternals, SFTTrainer):
     """Distil `teacher_model` into `model` on an SFT dataset (language modeling, prompt–completion or messages).
 
     A drop-in for `trl.SFTTrainer` with one more argument. The loss is
@@ -113,8 +113,16 @@ class DistillationTrainer(SFTTrainer):
         try:
             self.vocab_size = shared_vocab_size(self.student.config, self.teacher.vocab_config(self.student.config),
                                                 self.processing_class)
-            self.teacher.attach(self)  # its fit checks and columns
-            sequence_parallel.attach(self)  # long rows split over ranks: the student's attention checked
+            self.logit_paths = LogitPaths(self.accelerator, self.teacher.logit_candidates, args.bf16 or args.fp16,
+                                          self.vocab_size)  # each model's, settled on the first batch
+            # what collaborators receive instead of the trainer (calls go down: none calls back, none changes it)
+            self.context = RunContext(
+                args, self.accelerator, lambda: self.state, lambda: self.model, lambda: self.model_wrapped,
+                lambda examples: self.data_collator(examples), self.prepared_inputs, self.processing_class,
+                self.vocab_size, self.logit_paths)
+            self.teacher.attach(self.context)  # its fit checks
+            self.train_dataset = self.teacher.train_rows(self.train_dataset)  # e.g. a cache's row numbers
+            sequence_parallel.check_sharded_attention(self.student, args, "student")  # long rows split over ranks
             # the collators, composed once: SFT's (or the caller's) innermost, then the teacher kind's, then
             # sequence parallelism's position ids outermost
             self.data_collator = sequence_parallel.collator(self.teacher.collator(self.data_collator), args)
@@ -133,13 +141,11 @@ class DistillationTrainer(SFTTrainer):
         # Our loss sums over completion tokens and divides by their count over the accumulated, all-rank batch:
         # ask the Trainer for that count (`num_items_in_batch`), taken over the shifted labels.
         self.model_accepts_loss_kwargs = True
-        compat.count_items_over_shifted_labels(self)
-        # what collaborators receive instead of the trainer (issue 42: the guards so far)
-        self.context = RunContext(args, self.accelerator, lambda: self.state, lambda: self.model.training)
+        self.count_items_over_shifted_labels()
         self.guards = Guards(self.context)  # a non-finite loss, on-policy collapse, a teacher worse than the student
-        self.metrics = DistillMetrics(self.context, self.guards, partial(compat.eval_metric_values, self))
-        self.sampler = CompletionSampler(self)  # on-policy / sequence-level completions (lmbda, seq_kd)
-        self.logit_paths = None  # each model's logit path, settled on the first batch (`settle_logit_paths`)
+        self.metrics = DistillMetrics(self.context, self.guards, self.eval_metric_values)
+        self.sampler = CompletionSampler(self.context, self.teacher)  # on-policy / sequence-level (lmbda, seq_kd)
+        self.sharded_attention = None  # sequence parallelism: both models' attention, installed as training starts
         self.generated: dict[str, float] | None = None  # the generation eval's metrics, for the loop's output
         self.add_callback(TrainingBounds(self.context, self.teacher, self.metrics))
 
@@ -171,6 +177,8 @@ class DistillationTrainer(SFTTrainer):
             return super().train(self.resume_point(resume_from_checkpoint), *args, **kwargs)
         finally:
             self.sampler.close()  # the rollout server's connections
+            if self.sharded_attention is not None:  # transformers' attention table as this run found it
+                self.sharded_attention = self.sharded_attention.uninstall()
             self.run_lock.release()  # the run is over (at exit otherwise)
 
     def resume_point(self, resume_from_checkpoint: str | bool | None) -> str | bool | None:
@@ -185,14 +193,13 @@ class DistillationTrainer(SFTTrainer):
                           self.student_identity)
 
     def _save_checkpoint(self, model, trial):
-        save_complete_checkpoint(self, super()._save_checkpoint, model, trial, self.run_record())
+        save_complete_checkpoint(self.context, super()._save_checkpoint, model, trial, self.output_dir_for(trial),
+                                 self.run_record())
 
     @property
     def loss_settings(self) -> LossSettings:
         """The loss's settings, from the arguments as they are now (a callback may change them between steps)."""
-        args = self.args
-        return LossSettings(args.divergence, args.beta, args.skew_alpha, args.temperature, args.loss_chunk_size,
-                            self.vocab_size, kd_grad=args.alpha > 0, ce_grad=args.alpha < 1)  # weight 0: logged only
+        return LossSettings.of(self.args, self.vocab_size)
 
     def prepare_teacher(self) -> None:
         """Load and prepare the teacher once (collective under DeepSpeed); the dataloader getters call it."""
@@ -201,7 +208,7 @@ class DistillationTrainer(SFTTrainer):
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
         for column in self.teacher.columns:  # what the teacher's collator reads (a cache row, the teacher's ids)
-            compat.keep_dataset_column(self, column)
+            self.keep_dataset_column(column)
 
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
         dataset = super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
@@ -224,7 +231,7 @@ class DistillationTrainer(SFTTrainer):
         # ZeRO-0/1/2 config. Such a student holds all its weights on every rank: evaluate the module as it is.
         hide = student_plugin is not None and self.deepspeed is None and student_plugin.zero_stage != 3
         self.metrics.start_evaluation()
-        with compat.deepspeed_hidden_from(self) if hide else contextlib.nullcontext():
+        with self.deepspeed_hidden() if hide else contextlib.nullcontext():
             output = self.metrics.finish_evaluation(super().evaluation_loop(*args, **kwargs))
         if self.generated is not None:  # beside eval_loss: logged, returned, and there for metric_for_best_model
             prefix = kwargs.get("metric_key_prefix", "eval")
@@ -256,10 +263,10 @@ class DistillationTrainer(SFTTrainer):
         args, accelerator = self.args, self.accelerator
         sampling = Sampling(args.eval_max_new_tokens or args.max_new_tokens, eval_sampling_temperature(args),
                             args.generation_top_p, args.generation_top_k)
-        view = compat.model_columns(self, dataset)  # what the collator gets, as from the eval DataLoader
+        view = self.model_columns(dataset)  # what the collator gets, as from the eval DataLoader
 
         def collate(indices):
-            return compat.prepare_inputs(self, self.data_collator([view[i] for i in indices]))
+            return self.prepared_inputs(self.data_collator([view[i] for i in indices]))
 
         def sample(batch, settings):
             return self.sampler.sample(STUDENT_SAMPLES, batch, settings, score=self.teacher.scores_samples)
@@ -302,7 +309,12 @@ class DistillationTrainer(SFTTrainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
-        num_items_in_batch = sequence_parallel.start_step(self, batch_samples, device, num_items_in_batch)
+        if sequence_parallel.sequence_parallel_size(self.args) > 1:
+            self.model.train()  # the teacher pass runs before `training_step` sets it (the exchange is on in training)
+            if self.sharded_attention is None:  # both models' attention exchanged across the group, for this run
+                self.sharded_attention = sequence_parallel.start(self.context, batch_samples)
+            num_items_in_batch = sequence_parallel.sharded_token_count(self.context, batch_samples, device,
+                                                                       num_items_in_batch)
         self.teacher.before_step(batch_samples)  # (the training loop is the only caller, in transformers 5.24)
         return batch_samples, num_items_in_batch
 
@@ -327,8 +339,8 @@ class DistillationTrainer(SFTTrainer):
         # predicts target t); the selected rows keep the (row, position) order on every path.
         keep = mask.any(0).nonzero().squeeze(1)
         mask, target = mask[:, keep], target[:, keep]
-        if self.logit_paths is None:
-            self.settle_logit_paths(model, model_inputs, mask, extras)
+        if not self.logit_paths.settled:
+            self.logit_paths.settle(model, model_inputs, mask, extras)
         teacher = self.teacher.for_batch(model_inputs, extras, mask, keep)  # every rank: gathers are collective
         loss_fn = partial(self._fused_loss, teacher=teacher, target=target, mask=mask,
                           num_items_in_batch=num_items_in_batch, correction=correction)
@@ -352,15 +364,6 @@ class DistillationTrainer(SFTTrainer):
             return loss, {"kd_loss": kd.detach(), "ce_loss": ce.detach()}
         return loss
 
-    def settle_logit_paths(self, model, model_inputs: dict, mask: torch.Tensor, extras=None) -> None:
-        """Once, on the first batch: check each model's fused logits against its own and pick its path (see
-        `model.logit_check`); rank 0 says which path each model takes."""
-        student = self.accelerator.unwrap_model(model)
-        student = student.get_base_model() if hasattr(student, "get_base_model") else student
-        candidates = [("student", model, student, model_inputs), *self.teacher.logit_candidates(model_inputs, extras)]
-        self.logit_paths = settle_logit_paths_by_inputs(candidates, self.accelerator, self.args.bf16 or self.args.fp16)
-        announce(self.logit_paths, self.accelerator, self.vocab_size, int(mask.shape[0] * mask.shape[1]))
-
     def _fused_loss(self, student: LossFeatures, *, teacher: TeacherBatch, target, mask, num_items_in_batch,
                     correction=None):
         """Runs inside the student's forward: both lm_heads (or the student's and the teacher's signal), a chunk of
@@ -376,7 +379,7 @@ class DistillationTrainer(SFTTrainer):
                               self.metrics.diagnostics())
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        inputs = compat.prepare_inputs(self, inputs)
+        inputs = self.prepared_inputs(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs).detach()
             if prediction_loss_only:

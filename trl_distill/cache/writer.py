@@ -3,7 +3,7 @@
 Works with any kind of teacher that writes a top-k (`TeacherSource.cache_records`): each shard's batches are dealt
 to the ranks, rank 0 gathers the rows and writes the shard. A ZeRO-3 teacher stays partitioned over the ranks and
 every rank runs every forward (its gathers are collective); a served teacher gets each rank's batches through the
-trainer's collator (`teacher.served`), several requests in flight.
+run's collator (`teacher.served`), several requests in flight.
 A killed run is resumed by running it again: complete shards (listed in the manifest, with their size) are kept,
 anything else is recomputed, so the finished cache is byte-identical to an uninterrupted run's.
 """
@@ -20,27 +20,27 @@ from .manifest import MANIFEST, Manifest, dataset_fingerprint, tokenizer_hash
 from .shards import LOG_PROB_DTYPES, file_sha256, is_partial_shard, is_shard, shard_name, write_shard
 
 
-def open_teacher_cache(trainer, directory: str, *, top_k: int = 64, shard_rows: int = 1024,
-                       log_prob_dtype: str = "7bit") -> Manifest:
-    """Check the settings and decide what a (re-)run still has to write: the manifest, its ``shards`` the complete
-    ones to keep. Bad settings, or a directory holding another cache, raise `ValueError` on every rank before the
-    teacher runs. Collective."""
+def open_teacher_cache(context, teacher, dataset, directory: str, *, top_k: int = 64, shard_rows: int = 1024,
+                       log_prob_dtype: str = "7bit", run_lock=None) -> Manifest:
+    """Check the settings and decide what a (re-)run still has to write of `teacher`'s top-k over the prepared
+    `dataset` (the run's `RunContext`: its arguments, tokenizer, vocabulary): the manifest, its ``shards`` the
+    complete ones to keep. Bad settings, or a directory holding another cache, raise `ValueError` on every rank
+    before the teacher runs (a `run_lock` on `directory` released first). Collective."""
     if log_prob_dtype not in LOG_PROB_DTYPES:
         raise ValueError(f"log_prob_dtype must be one of {', '.join(LOG_PROB_DTYPES)}, got {log_prob_dtype!r}.")
-    if top_k < 1 or top_k > trainer.vocab_size:
-        raise ValueError(f"top_k must be in [1, the vocabulary size {trainer.vocab_size}], got {top_k}.")
+    if top_k < 1 or top_k > context.vocab_size:
+        raise ValueError(f"top_k must be in [1, the vocabulary size {context.vocab_size}], got {top_k}.")
     if shard_rows < 1:
         raise ValueError(f"shard_rows must be >= 1, got {shard_rows}.")
-    if trainer.teacher.cache_refusal is not None:
-        raise ValueError(trainer.teacher.cache_refusal)
-    dataset = trainer.train_dataset
+    if teacher.cache_refusal is not None:
+        raise ValueError(teacher.cache_refusal)
     if "labels" not in dataset.column_names:
         raise ValueError("The prepared train dataset has no `labels` column; the cache needs SFT's dataset "
                          "preparation (an SFTConfig / DistillationConfig, not skip_prepare_dataset).")
-    args, accelerator = trainer.args, trainer.accelerator
+    args, accelerator = context.args, context.accelerator
     manifest = Manifest(
-        teacher=trainer.teacher.name, teacher_revision=trainer.teacher.revision,
-        tokenizer_hash=tokenizer_hash(trainer.processing_class), vocab_size=trainer.vocab_size, top_k=top_k,
+        teacher=teacher.name, teacher_revision=teacher.revision,
+        tokenizer_hash=tokenizer_hash(context.processing_class), vocab_size=context.vocab_size, top_k=top_k,
         temperature=args.temperature, max_length=args.max_length, log_prob_dtype=log_prob_dtype,
         dataset_fingerprint=dataset_fingerprint(dataset), num_rows=len(dataset), shard_rows=shard_rows,
     )  # fmt: skip
@@ -48,22 +48,22 @@ def open_teacher_cache(trainer, directory: str, *, top_k: int = 64, shard_rows: 
     decision = [_resume_point(manifest, directory) if accelerator.is_main_process else None]
     decision = broadcast_object_list(decision, from_process=0)[0]
     if isinstance(decision, str):
-        lock = getattr(trainer, "run_lock", None)  # cache-teacher's, on this directory: leave it as it was found
-        if lock is not None and os.path.realpath(lock.output_dir) == os.path.realpath(directory):
-            lock.release()
+        # cache-teacher's lock, on this directory: leave it as it was found
+        if run_lock is not None and os.path.realpath(run_lock.output_dir) == os.path.realpath(directory):
+            run_lock.release()
         raise ValueError(decision)
     manifest.shards = decision
     return manifest
 
 
-def fill_teacher_cache(trainer, directory: str, manifest: Manifest, *, batch_size: int | None = None,
-                       on_shard: Callable[[int], None] | None = None) -> Manifest:
-    """Run the teacher over the rows of every shard `manifest` does not hold yet and write them. Each shard's
-    batches are dealt to the ranks; ``on_shard(index)`` runs on every rank after each shard is on disk."""
-    args, accelerator, teacher = trainer.args, trainer.accelerator, trainer.teacher
+def fill_teacher_cache(context, teacher, dataset, directory: str, manifest: Manifest, *,
+                       batch_size: int | None = None, on_shard: Callable[[int], None] | None = None) -> Manifest:
+    """Run `teacher` over the rows of `dataset` in every shard `manifest` does not hold yet and write them. Each
+    shard's batches are dealt to the ranks; ``on_shard(index)`` runs on every rank after each shard is on disk."""
+    args, accelerator = context.args, context.accelerator
     top_k, log_prob_dtype = manifest.top_k, manifest.log_prob_dtype
     done = {shard["index"] for shard in manifest.shards}
-    columns = trainer.train_dataset.select_columns(["input_ids", "labels"])
+    columns = dataset.select_columns(["input_ids", "labels"])
     if len(done) < manifest.num_shards:
         teacher.open_for_cache(columns, top_k)  # collective for a teacher model
     batch_size = batch_size or args.per_device_eval_batch_size

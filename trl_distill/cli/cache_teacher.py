@@ -60,11 +60,11 @@ def main(argv: list[str]) -> None:
         training_args.eval_strategy = IntervalStrategy.NO  # only the train split is cached
         training_args.output_dir = directory
         trainer = build_trainer(script_args, training_args, model_args)
-        manifest = open_teacher_cache(trainer, directory, top_k=cache_args.cache_top_k,
-                                      shard_rows=cache_args.cache_shard_rows,
-                                      log_prob_dtype=cache_args.cache_log_prob_dtype)
+        run = (trainer.context, trainer.teacher, trainer.train_dataset, directory)
+        manifest = open_teacher_cache(*run, top_k=cache_args.cache_top_k, shard_rows=cache_args.cache_shard_rows,
+                                      log_prob_dtype=cache_args.cache_log_prob_dtype, run_lock=trainer.run_lock)
     with faults_as_messages("trl-distill cache-teacher"):
-        manifest = fill_teacher_cache(trainer, directory, manifest, batch_size=cache_args.cache_batch_size)
+        manifest = fill_teacher_cache(*run, manifest, batch_size=cache_args.cache_batch_size)
     if trainer.accelerator.is_main_process:
         tokens = sum(s["tokens"] for s in manifest.shards)
         size = sum(s["bytes"] for s in manifest.shards)

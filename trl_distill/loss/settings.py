@@ -43,6 +43,12 @@ class LossSettings:
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}.")
 
+    @classmethod
+    def of(cls, args, vocab_size: int | None) -> LossSettings:
+        """A run's settings from its `DistillationConfig` as it is now (a callback may change it between steps)."""
+        return cls(args.divergence, args.beta, args.skew_alpha, args.temperature, args.loss_chunk_size, vocab_size,
+                   kd_grad=args.alpha > 0, ce_grad=args.alpha < 1)  # a term weighted 0: logged only
+
     def per_token(self, student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
         """This divergence per token: log-probs ``[N, V]`` x2 -> ``[N]``."""
         return DIVERGENCES[self.divergence](student_logp, teacher_logp, self.beta, self.skew_alpha)

@@ -138,3 +138,31 @@ def announce(paths: list, accelerator, vocab: int, loss_tokens: int) -> None:
     if accelerator.is_main_process:
         for path in paths:
             logger.info(path.describe(vocab, loss_tokens))
+
+
+class LogitPaths:
+    """Each model's logit path for one run, settled once, on the first batch, by whoever meets it first (the
+    trainer's loss, a teacher's once-per-step pass); the trainer owns it and hands it down. Iterates over the
+    settled `LogitPath`s (none before)."""
+
+    def __init__(self, accelerator, candidates, mixed_precision: bool, vocab_size: int):
+        self.accelerator, self.candidates = accelerator, candidates  # candidates(model_inputs, extras): the teachers'
+        self.mixed_precision, self.vocab_size = mixed_precision, vocab_size
+        self.paths: list[LogitPath] | None = None
+
+    @property
+    def settled(self) -> bool:
+        return self.paths is not None
+
+    def __iter__(self):
+        return iter(self.paths or ())
+
+    def settle(self, model, model_inputs: dict, mask: torch.Tensor, extras=None) -> None:
+        """Check the student (`model`, as its forward runs) and each teacher model against their own logits and pick
+        each one's path; rank 0 says which path each takes. `mask` ``[B, K]``: the loss tokens at the kept
+        positions (for the cost it states)."""
+        student = self.accelerator.unwrap_model(model)
+        student = student.get_base_model() if hasattr(student, "get_base_model") else student
+        candidates = [("student", model, student, model_inputs), *self.candidates(model_inputs, extras)]
+        self.paths = settle_logit_paths_by_inputs(candidates, self.accelerator, self.mixed_precision)
+        announce(self.paths, self.accelerator, self.vocab_size, int(mask.shape[0] * mask.shape[1]))

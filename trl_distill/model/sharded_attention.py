@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compat import core_attention
+from ..compat import attention_override, core_attention
 
 
 def sp_group_and_rank():
@@ -32,6 +32,17 @@ class ShardedAttention:
         self.layers: dict[tuple, object] = {}
         self.seen: list[tuple[int, int]] = []  # (local, global) positions per call, while recording
         self.recording = False
+        self.replaced = None  # the registry's own entry it took the place of (None: the class-level default)
+
+    def uninstall(self) -> None:
+        """Put back the registry entry it replaced (its trainer's training is over); returns None."""
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        if attention_override(self.implementation) is self:
+            if self.replaced is None:
+                del ALL_ATTENTION_FUNCTIONS[self.implementation]
+            else:
+                ALL_ATTENTION_FUNCTIONS[self.implementation] = self.replaced
 
     def _layer(self, module, query, key):
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
@@ -67,15 +78,13 @@ def _is_block_mask(mask) -> bool:
     return isinstance(mask, BlockMask)
 
 
-def install_sharded_attention(trainer, implementation: str) -> ShardedAttention:
-    """Put `ShardedAttention` in place of `implementation` in transformers' attention registry (idempotent); it is
-    on while `trainer`'s student trains."""
+def install_sharded_attention(implementation: str, enabled) -> ShardedAttention:
+    """Put a `ShardedAttention` in place of `implementation` in transformers' attention registry, on while
+    `enabled()` (its student trains); `ShardedAttention.uninstall` puts back what it replaced."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    current = ALL_ATTENTION_FUNCTIONS[implementation]
-    if isinstance(current, ShardedAttention):
-        return current
     # the implementation itself, not accelerate's wrapper of it
-    sharded = ShardedAttention(core_attention(implementation), implementation, lambda: trainer.model.training)
+    sharded = ShardedAttention(core_attention(implementation), implementation, enabled)
+    sharded.replaced = attention_override(implementation)
     ALL_ATTENTION_FUNCTIONS[implementation] = sharded
     return sharded

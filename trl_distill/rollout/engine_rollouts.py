@@ -33,8 +33,8 @@ class EngineRollouts:
     """A `DistillationTrainer`'s rollout server: `sample` returns each prompt's completion (token ids). Without
     `syncs` (a served teacher sampling for `seq_kd`: `client` is its server) nothing is synced or checked here."""
 
-    def __init__(self, trainer, client: RolloutServerClient | None = None, syncs: bool = True, salt: int = 0):
-        self.trainer, args = trainer, trainer.args
+    def __init__(self, context, client: RolloutServerClient | None = None, syncs: bool = True, salt: int = 0):
+        self.context, args = context, context.args
         self.client = client or RolloutServerClient(server_url(args), timeout=args.vllm_server_timeout)
         self.syncs, self.salt = syncs, salt  # salt: another seed stream per engine (the student's is 0)
         self.sync = None
@@ -45,14 +45,13 @@ class EngineRollouts:
 
     def _stop(self, message: str | None, rank_error=None) -> None:
         """Every rank at once: raise the lowest rank's fault (if any) with where to resume from."""
-        accelerator = self.trainer.accelerator
-        first = first_failure(message, accelerator)
+        first = first_failure(message, self.context.accelerator)
         if first is None:
             return
         rank, text = first
         whose = "" if message is not None else f" (met by rank {rank}; every rank stopped)"
         error = type(rank_error) if isinstance(rank_error, ExternalError) else RolloutServerError
-        raise error(f"{text}{whose} Stopped at step {self.trainer.state.global_step + 1}: resume from the last "
+        raise error(f"{text}{whose} Stopped at step {self.context.step + 1}: resume from the last "
                     "complete checkpoint with --resume_from_checkpoint true once the server is fixed.") from rank_error
 
     def _guarded(self, action) -> None:
@@ -64,17 +63,15 @@ class EngineRollouts:
         self._stop(None if failure is None else str(failure), failure)
 
     def _connect(self) -> None:
-        trainer = self.trainer
-        tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
-        self._guarded(lambda: self.client.connect(tokenizer))
-        self.sync = EngineWeightSync(self.client, is_sender=trainer.accelerator.is_main_process,
-                                     group_port=trainer.args.vllm_group_port, timeout=trainer.args.vllm_server_timeout)
+        run = self.context
+        self._guarded(lambda: self.client.connect(run.tokenizer))
+        self.sync = EngineWeightSync(self.client, is_sender=run.accelerator.is_main_process,
+                                     group_port=run.args.vllm_group_port, timeout=run.args.vllm_server_timeout)
         self._guarded(self.sync.connect)
 
     def _push(self, step: int) -> None:
         """The student's weights of `step` into the server (every rank takes part; a ZeRO-3 student gathers)."""
-        trainer = self.trainer
-        student = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+        student = self.context.accelerator.unwrap_model(self.context.wrapped)
         self._guarded(lambda: self.sync.push(student, step))  # also the barrier: no rank samples stale weights
         self.synced_step = step
         self.seconds["sync"] += self.sync.take_seconds()
@@ -84,8 +81,8 @@ class EngineRollouts:
         """One completion per prompt, by the student as of this optimizer step (synced first when due), and the
         engine's log-prob of each of its tokens. `sampling` (evaluation): its settings and seed instead of
         training's; the server is synced to the current step first, and nothing is counted for the training logs."""
-        trainer, args = self.trainer, self.trainer.args
-        step = trainer.state.global_step
+        run, args = self.context, self.context.args
+        step = run.step
         if self.syncs and self.sync is None:
             self._connect()
         due = self.synced_step is None or step != self.synced_step and (
@@ -95,7 +92,7 @@ class EngineRollouts:
         if sampling is None:
             micro = self.micro[1] if self.micro[0] == step else 0
             self.micro = (step, micro + 1)
-            rank = trainer.accelerator.process_index
+            rank = run.accelerator.process_index
             seeds = [row_seed(args.seed + self.salt, step, rank, micro, row) for row in range(len(prompts))]
             sampling = Sampling.from_args(args)
             counted = True

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..compat import prepare_inputs
 from ..loss.rollout_correction import RolloutCorrection
 from .sampling import Sampling, seeded
 
@@ -168,36 +167,36 @@ class CompletionSampler:
     """A `DistillationTrainer`'s on-policy / sequence-level side: draws each step's source, samples the completions
     and counts what it sampled for the logs (`on_policy_fraction`, `generated_length`)."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self, context, teacher):
+        self.context, self.teacher = context, teacher  # the run, and its teacher (which scores sampled rows)
         self.stats = dict.fromkeys(("micro_steps", "on_policy", "rows", "tokens", "ended", "ngrams", "repeated"), 0)
         self.on_policy = False  # whether the current micro-batch's completions are the student's own samples
         self.engine = None
-        if trainer.args.use_vllm:  # the rollout server
+        if context.args.use_vllm:  # the rollout server
             from .engine_rollouts import EngineRollouts
 
-            self.engine = EngineRollouts(trainer)
+            self.engine = EngineRollouts(context)
         self.teacher_engine = None  # a served teacher's server, sampling for seq_kd
         self.since = time.perf_counter()  # the start of the span the next log covers
 
     @property
     def tokenizer(self):
         """The student's tokenizer (a processor's)."""
-        return getattr(self.trainer.processing_class, "tokenizer", self.trainer.processing_class)
+        return self.context.tokenizer
 
     @property
     def active(self) -> bool:
-        return self.trainer.args.lmbda > 0 or self.trainer.args.seq_kd
+        return self.context.args.lmbda > 0 or self.context.args.seq_kd
 
     def maybe_resample(self, inputs: dict) -> tuple[dict, bool]:
         """The micro-batch to train on, and whether its completions were sampled (not the dataset's)."""
-        trainer, args = self.trainer, self.trainer.args
-        source = completion_source(args.lmbda, args.seq_kd, args.seed, trainer.state.global_step)
+        run, args = self.context, self.context.args
+        source = completion_source(args.lmbda, args.seq_kd, args.seed, run.step)
         self.stats["micro_steps"] += 1
         self.on_policy = source == STUDENT
         if source == DATASET:
             return inputs, False
-        inputs, completions = self.sample(source, prepare_inputs(trainer, inputs))
+        inputs, completions = self.sample(source, run.prepare_inputs(inputs))
         self.stats["on_policy"] += source == STUDENT
         self.stats["rows"] += len(completions)
         self.stats["tokens"] += sum(len(c) for c in completions)
@@ -213,9 +212,9 @@ class CompletionSampler:
                score: bool = True) -> tuple[dict, list[torch.Tensor]]:
         """`batch` with its completions sampled by `source` (the student or the teacher), and those completions.
         `sampling`: other settings than training's (evaluation); `score`: have the teacher score the new rows."""
-        trainer, tokenizer = self.trainer, self.tokenizer
+        run, tokenizer = self.context, self.tokenizer
         eos_ids = {tokenizer.eos_token_id}
-        kwargs = (sampling or Sampling.from_args(trainer.args)).generate_kwargs(sorted(eos_ids))
+        kwargs = (sampling or Sampling.from_args(run.args)).generate_kwargs(sorted(eos_ids))
         engine = self._engine_for(source)
         if engine is not None:  # a vLLM server samples: the student's rollout server, or a served teacher's
             prompts = prompts_of(batch)
@@ -224,30 +223,30 @@ class CompletionSampler:
             if engine is self.engine:  # the student's own log-probs, as the engine computed them: the loss's gap
                 new_batch[ROLLOUT] = EngineLogprobs(torch.tensor([x for row in logprobs for x in row]))
         else:
-            processes = trainer.accelerator.num_processes
+            processes = run.num_processes
             if source == STUDENT:
-                model, context = trainer.accelerator.unwrap_model(trainer.model_wrapped), contextlib.nullcontext
-                plugin = trainer.accelerator.state.deepspeed_plugin if trainer.is_deepspeed_enabled else None
+                model, context = run.accelerator.unwrap_model(run.wrapped), contextlib.nullcontext
+                plugin = run.deepspeed_plugin
                 synced = processes > 1 and plugin is not None and plugin.zero_stage == 3
             else:
-                model, context, synced = trainer.teacher.generation(processes)
+                model, context, synced = self.teacher.generation(processes)
             with seeded(sampling.seed if sampling is not None else None, batch["input_ids"].device):
                 new_batch, completions = sample_completions(model, batch, kwargs, tokenizer.pad_token_id, eos_ids,
                                                             synced, context)
             new_batch = {k: v.to(batch["input_ids"].device) for k, v in new_batch.items()}
         if score:
-            trainer.teacher.score_sampled(new_batch, batch)
+            self.teacher.score_sampled(new_batch, batch)
         return new_batch, completions
 
     def _engine_for(self, source: str) -> EngineRollouts | None:
         """The vLLM server that samples `source`'s completions, if one does (else HF `generate`)."""
         if source == STUDENT:
             return self.engine
-        server = self.trainer.teacher.sampling_server()  # seq_kd from a served teacher: its own server
+        server = self.teacher.sampling_server()  # seq_kd from a served teacher: its own server
         if server is not None and self.teacher_engine is None:
             from .engine_rollouts import EngineRollouts
 
-            self.teacher_engine = EngineRollouts(self.trainer, server, syncs=False, salt=7919)
+            self.teacher_engine = EngineRollouts(self.context, server, syncs=False, salt=7919)
         return self.teacher_engine if server is not None else None
 
     def pop_correction(self, inputs: dict) -> RolloutCorrection | None:
@@ -255,7 +254,7 @@ class CompletionSampler:
         held = inputs.pop(ROLLOUT, None)
         if held is None:
             return None
-        args = self.trainer.args
+        args = self.context.args
         return RolloutCorrection(held.values, args.vllm_importance_sampling_clip_max
                                  if args.vllm_importance_sampling_correction else None)
 

@@ -240,23 +240,20 @@ def resume_point(resume_from_checkpoint: str | bool | None, output_dir: str, run
     return resume
 
 
-def save_complete_checkpoint(trainer, save, model, trial, record: dict) -> None:
-    """`save(model, trial)` (the Trainer's own checkpoint save) marked complete once every rank's part is on disk;
-    older checkpoints are rotated out (`save_total_limit`) only after that, never before the new one is complete, so
-    a crash in between still leaves a complete checkpoint."""
+def save_complete_checkpoint(context, save, model, trial, run_dir: str, record: dict) -> None:
+    """`save(model, trial)` (the Trainer's own checkpoint save, into `run_dir`) marked complete once every rank's part
+    is on disk; older checkpoints are rotated out (`save_total_limit`) only after that, never before the new one is
+    complete, so a crash in between still leaves a complete checkpoint."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-    from ..compat import output_dir_of
-
-    args = trainer.args
+    args, state = context.args, context.state
     limit, args.save_total_limit = args.save_total_limit, None  # the Trainer would rotate inside `save`
     try:
         save(model, trial)
     finally:
         args.save_total_limit = limit
-    trainer.accelerator.wait_for_everyone()  # every rank's optimizer shard and RNG state is on disk
+    context.accelerator.wait_for_everyone()  # every rank's optimizer shard and RNG state is on disk
     if args.should_save:
-        run_dir = output_dir_of(trainer, trial)
-        mark_complete(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"), record)
+        mark_complete(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"), record)
         rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
-                           best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
+                           best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)

@@ -162,12 +162,6 @@ def check_models_before_loading(args, student, teacher) -> None:
     check_sequence_parallel_models(args, {"student": config_of(student), "teacher": config_of(teacher)})
 
 
-def attach(trainer) -> None:
-    """Once the trainer is built: the student must run an attention the exchange can wrap."""
-    if sequence_parallel_size(trainer.args) > 1:
-        check_sharded_attention(trainer.student, trainer.args, "student")
-
-
 def collator(base, args):
     """`base` wrapped so that every batch carries position ids, padded to a multiple of the size (the outermost
     collator: a teacher signal of whole rows learns its labels, to be split per rank); `base` without sequence
@@ -179,26 +173,22 @@ def collator(base, args):
     return PositionIdsCollator(base, sequence_parallel_size(args))
 
 
-def start_step(trainer, batch_samples: list[dict], device, counted):
-    """An optimizer step's micro-batches, before any forward (accelerate has built the groups by then): both models'
-    attention exchanged across the group (`model.sharded_attention`, kept as ``trainer.sharded_attention``), and the
-    step's loss tokens over every rank (`sharded_token_count`). `counted` as it is without sequence parallelism."""
-    if sequence_parallel_size(trainer.args) == 1:
-        return counted
+def start(context, batch_samples: list[dict]):
+    """As a run's first optimizer step starts (accelerate has built the groups by then): both models' attention
+    exchanged across the group while the student trains (`model.sharded_attention`); the `ShardedAttention` installed,
+    which its trainer uninstalls when training ends."""
     from ..model.sharded_attention import install_sharded_attention
 
-    trainer.model.train()  # the teacher pass runs before `training_step` sets it (the exchange is on in training)
-    first = getattr(trainer, "sharded_attention", None) is None
-    trainer.sharded_attention = install_sharded_attention(trainer, attention_implementation(trainer.args))
-    if first and batch_samples and trainer.accelerator.is_main_process:
-        size, width = sequence_parallel_size(trainer.args), batch_samples[0]["input_ids"].shape[1]
-        logger.info(f"trl_distill: sequence parallelism {size} (DeepSpeed Ulysses, "
-                    f"{attention_implementation(trainer.args)} attention): each rank holds {width} of every "
-                    f"{width * size}-token row's positions, student and teacher alike.")
-    return sharded_token_count(trainer, batch_samples, device, counted)
+    implementation = attention_implementation(context.args)
+    sharded = install_sharded_attention(implementation, lambda: context.training)
+    if batch_samples and context.accelerator.is_main_process:
+        size, width = sequence_parallel_size(context.args), batch_samples[0]["input_ids"].shape[1]
+        logger.info(f"trl_distill: sequence parallelism {size} (DeepSpeed Ulysses, {implementation} attention): each "
+                    f"rank holds {width} of every {width * size}-token row's positions, student and teacher alike.")
+    return sharded
 
 
-def sharded_token_count(trainer, batch_samples: list[dict], device, counted):
+def sharded_token_count(context, batch_samples: list[dict], device, counted):
     """The loss tokens of the step over every rank, for the loss's denominator. The Trainer counts them from
     `labels`, which the Ulysses loader replaces by each shard's `shift_labels` (transformers 5.24): counted here from
     those. `counted` as it is without sequence parallelism."""
@@ -207,7 +197,7 @@ def sharded_token_count(trainer, batch_samples: list[dict], device, counted):
     import torch
 
     mine = sum(int((b["shift_labels"] != -100).sum()) for b in batch_samples if "shift_labels" in b)
-    return trainer.accelerator.gather(torch.tensor(mine, device=device)).sum()
+    return context.accelerator.gather(torch.tensor(mine, device=device)).sum()
 
 
 def gradient_scaled(loss, args):

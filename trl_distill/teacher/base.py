@@ -2,7 +2,7 @@
 
 A kind of teacher (`live.LiveTeacher`, `self_distill.SelfTeacher`, `cached.CachedTeacher`, `served.ServedTeacher`,
 `cross_tokenizer.CrossTokenizerTeacher`) owns everything that differs between kinds: the run settings it refuses
-(`refused`, checked by `refuse`), how it attaches to the trainer (dataset columns, collator, fit checks), its
+(`refused`, checked by `refuse`), how it attaches to the run (dataset columns, collator, fit checks), its
 preparation (a collective load, or nothing), its once-per-step pass, its logit-path check and NaN/inf check, the
 signal it hands the fused loss (`for_batch`), the top-k it writes for a cache, and its release. The trainer holds
 one `TeacherSource` and asks it; it never branches on the kind.
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from ..loss.settings import LossSettings
     from ..loss.signal import TeacherSignal
     from ..model.fused_forward import LMHead
+    from ..runtime.context import RunContext
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class TeacherSource(ABC):
     """A tokenizer this kind loaded for the student (cross-tokenizer), else None."""
     config_notes: list[str] = []
     """What was filled into its DeepSpeed config (printed as training starts)."""
+    context: RunContext | None = None
+    """The run it is attached to (`attach`); None before, and for a teacher prepared on its own."""
 
     # ---- Before the data is prepared ----
 
@@ -112,10 +115,16 @@ class TeacherSource(ABC):
 
     # ---- Once the trainer exists ----
 
-    def attach(self, trainer) -> None:
-        """Bind to `trainer` (its model, prepared datasets, collator, `vocab_size`): check the run fits this teacher
-        (its `collator` comes after). Called once, at the end of the trainer's set-up."""
-        self.trainer = trainer
+    def attach(self, context: RunContext) -> None:
+        """Bind to the run (`runtime.context.RunContext`: its arguments, student, tokenizer, vocabulary, collator):
+        check it fits this teacher (`train_rows` and `collator` come after). Called once, at the end of the trainer's
+        set-up."""
+        self.context = context
+
+    def train_rows(self, dataset):
+        """The prepared train dataset with what this kind's collator reads of each row (a cache's row numbers);
+        `dataset` itself when nothing. The trainer trains on what it returns."""
+        return dataset
 
     def collator(self, base):
         """`base` wrapped with what this kind adds to each batch (its signal, its own ids); `base` itself when

@@ -46,15 +46,14 @@ class CachedTeacher(TeacherSource):
     def describe(self) -> str:
         return f"the teacher cache {self.cache.directory}"
 
-    def attach(self, trainer) -> None:
+    def train_rows(self, dataset):
         """Check the cache fits the prepared train dataset and number its rows (its collator adds their signal)."""
-        super().attach(trainer)
-        dataset, args = trainer.train_dataset, trainer.args
+        run = self.context
         if not hasattr(dataset, "add_column") or "labels" not in dataset.column_names:
             raise ValueError("Training from a teacher cache needs a prepared (map-style) train dataset with `labels`, "
                              "as SFT's dataset preparation makes it (not an IterableDataset or skip_prepare_dataset).")
-        self.cache.check_fits(trainer.processing_class, trainer.vocab_size, args.temperature, args.max_length, dataset)
-        trainer.train_dataset = dataset.add_column(self.row_column, np.arange(len(dataset), dtype=np.int64))
+        self.cache.check_fits(run.processing_class, run.vocab_size, run.args.temperature, run.args.max_length, dataset)
+        return dataset.add_column(self.row_column, np.arange(len(dataset), dtype=np.int64))
 
     def collator(self, base) -> CachedTeacherCollator:
         return CachedTeacherCollator(base, self.cache, self.row_column, self.signal_key)

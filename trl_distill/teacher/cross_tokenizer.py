@@ -65,12 +65,12 @@ class CrossTokenizerTeacher(LiveTeacher):
     def vocab_config(self, student_config):
         return student_config  # the student's own vocabulary: the teacher's is mapped onto it by bytes
 
-    def attach(self, trainer) -> None:
+    def attach(self, context) -> None:
         """Build the loss on the shared vocabulary (its collator adds the teacher's ids and the groups). The
         tokenizers differ by design: no id-by-id match is asked (`self.tokenizer` stays None)."""
-        super().attach(trainer)
-        self.build_loss(trainer.vocab_size, self.config.get_text_config().vocab_size, trainer.loss_settings,
-                        announce=trainer.accelerator.is_main_process)
+        super().attach(context)
+        self.build_loss(context.vocab_size, self.config.get_text_config().vocab_size,
+                        LossSettings.of(context.args, context.vocab_size), announce=context.accelerator.is_main_process)
 
     def collator(self, base) -> CrossTokenizerCollator:
         return CrossTokenizerCollator(base, self.teacher_tokenizer.pad_token_id or 0)
@@ -86,7 +86,7 @@ class CrossTokenizerTeacher(LiveTeacher):
 
     def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> CrossRows:
         rows = self.teacher_rows(extras, mask, keep)
-        check_teacher_finite(rows.states, self.trainer.accelerator, f"step {self.trainer.state.global_step + 1}")
+        check_teacher_finite(rows.states, self.context.accelerator, f"step {self.context.step + 1}")
         return rows
 
     cache_refusal = ("`trl-distill cache-teacher` writes the teacher's top-k in the student's token ids; this teacher "

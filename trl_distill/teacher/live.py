@@ -21,7 +21,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from ..compat import accelerator_state_kept, prepare_inputs, sequence_parallelism_hidden
+from ..compat import accelerator_state_kept, sequence_parallelism_hidden
 from ..data.batch import loss_tokens
 from ..loss.sparse import top_k_teacher_signal
 from ..model.fused_forward import LossFeatures, add_fused_distillation_forward, gathered, hidden_size
@@ -180,8 +180,8 @@ class LiveTeacher(TeacherSource):
                 model = self._load()
                 freeze(model)
                 add_fused_distillation_forward(model)
-                if hasattr(self, "trainer"):  # (a teacher prepared on its own has no run settings to check)
-                    check_sharded_attention(model, self.trainer.args, "teacher")
+                if self.context is not None:  # (a teacher prepared on its own has no run settings to check)
+                    check_sharded_attention(model, self.context.args, "teacher")
                 with accelerator_state_kept(accelerator), sequence_parallelism_hidden(accelerator):
                     engine = accelerator.prepare(model)  # its own engine: the student's alone sets up Ulysses
             engine.eval()
@@ -197,14 +197,14 @@ class LiveTeacher(TeacherSource):
     def vocab_config(self, student_config):
         return self.config
 
-    def attach(self, trainer) -> None:
+    def attach(self, context) -> None:
         """Its dtype follows the student's unless `teacher_model_init_kwargs` names one; its tokenizer must map tokens
-        to the student's ids; the once-per-step pass gets the trainer."""
-        super().attach(trainer)
+        to the student's ids; the once-per-step pass gets the run."""
+        super().attach(context)
         if not {"dtype", "torch_dtype"} & set(self.init_kwargs):
-            self.init_kwargs["dtype"] = trainer.student.dtype
-        check_tokenizers_match(trainer.processing_class, self.tokenizer)
-        self.step_pass = TeacherStepPass(trainer, self)
+            self.init_kwargs["dtype"] = context.student.dtype
+        check_tokenizers_match(context.processing_class, self.tokenizer)
+        self.step_pass = TeacherStepPass(context, self)
 
     @torch.no_grad()
     def features(self, model_inputs: dict, positions: torch.Tensor | None = None) -> LossFeatures:
@@ -229,13 +229,13 @@ class LiveTeacher(TeacherSource):
             self.step_pass.run(batch_samples)
 
     def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> DenseRows:
-        trainer = self.trainer
-        rows = self.step_pass.take(model_inputs) if trainer.model.training else None  # computed ahead for the step
+        run = self.context
+        rows = self.step_pass.take(model_inputs) if run.training else None  # computed ahead for the step
         if rows is not None:
             return rows
         # Every rank runs every teacher forward, even with no loss token: ZeRO-3 gathers are collective.
         features = self.features(model_inputs, keep)
-        check_teacher_finite(features.states, trainer.accelerator, f"step {trainer.state.global_step + 1}")
+        check_teacher_finite(features.states, run.accelerator, f"step {run.step + 1}")
         return DenseRows(features.states, features.head)
 
     def after_loss(self) -> None:
@@ -252,11 +252,11 @@ class LiveTeacher(TeacherSource):
 
     def open_for_cache(self, columns, top_k: int) -> None:
         """Prepare the teacher (collective) and check its fused logits against its own on the first row."""
-        trainer = self.trainer
-        self.prepare(trainer.accelerator, trainer.args.device)
-        batch = _model_inputs(prepare_inputs(trainer, trainer.data_collator([columns[0]])))
-        (path,) = settle_logit_paths([("teacher", self.engine, self.module)], probe_inputs(batch), trainer.accelerator)
-        announce([path], trainer.accelerator, trainer.vocab_size, batch["input_ids"].numel())
+        run = self.context
+        self.prepare(run.accelerator, run.device)
+        batch = _model_inputs(run.prepare_inputs(run.collate([columns[0]])))
+        (path,) = settle_logit_paths([("teacher", self.engine, self.module)], probe_inputs(batch), run.accelerator)
+        announce([path], run.accelerator, run.vocab_size, batch["input_ids"].numel())
 
     def cache_records(self, columns, mine: list[range], steps: int, filler: range, top_k: int,
                       temperature: float) -> list[dict]:
@@ -271,14 +271,14 @@ class LiveTeacher(TeacherSource):
     @torch.no_grad()
     def _top_k_rows(self, columns, rows: range, top_k: int, temperature: float, where: str) -> list[dict]:
         """The sparse teacher signal of the prepared rows `rows`, one record per row."""
-        trainer = self.trainer
+        run = self.context
         examples = [columns[i] for i in rows]
-        batch = prepare_inputs(trainer, trainer.data_collator(examples))
+        batch = run.prepare_inputs(run.collate(examples))
         _, mask = loss_tokens(batch)  # position t predicts labels[t + 1], as in training
         batch = _model_inputs(batch)
         keep = mask.any(0).nonzero().squeeze(1)
-        features, vocab = self.features(batch, keep), trainer.vocab_size
-        check_teacher_finite(features.states, trainer.accelerator, where)  # what a cache holds persists: check it
+        features, vocab = self.features(batch, keep), run.vocab_size
+        check_teacher_finite(features.states, run.accelerator, where)  # what a cache holds persists: check it
         records = []
         with gathered(*(features.head.params if features.head is not None else ())):
             for b, row in enumerate(rows):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import compat
 from ..data.batch import SIGNAL, loss_tokens
 from ..loss.combined import MixtureSignal, RoutedSignal, SumSignal, routed_order
 from .base import TeacherBatch, TeacherSource
@@ -144,14 +143,19 @@ class TeacherPanel(TeacherSource):
 
     # ---- Once the trainer exists ----
 
-    def attach(self, trainer) -> None:
+    def attach(self, context) -> None:
         from ..runtime.validation import shared_vocab_size
 
-        super().attach(trainer)
+        super().attach(context)
         for member in self.members.values():
-            shared_vocab_size(trainer.student.config, member.vocab_config(trainer.student.config),
-                              trainer.processing_class)
-            member.attach(trainer)
+            shared_vocab_size(context.student.config, member.vocab_config(context.student.config),
+                              context.processing_class)
+            member.attach(context)
+
+    def train_rows(self, dataset):
+        for member in self.members.values():
+            dataset = member.train_rows(dataset)
+        return dataset
 
     def collator(self, base):
         """Each member's collator around the last, in the order listed; routing outermost (it reads the rows'
@@ -170,7 +174,7 @@ class TeacherPanel(TeacherSource):
                 for c in member.logit_candidates(model_inputs, own)]
 
     def before_step(self, batch_samples: list[dict]) -> None:
-        if self.trainer.logit_paths is None and batch_samples:  # settled on the whole first batch, each member's
+        if not self.context.logit_paths.settled and batch_samples:  # settled on the whole first batch, each member's
             self._settle_logit_paths(batch_samples[0])  # own inputs there (its own tokens), before any pass runs
         # Each live teacher's once-per-step pass sees the model inputs only (not the others' signals, not the route)
         own = {ROUTE, *(getattr(m, key, None) for m in self.members.values() for key in ("signal_key", "batch_key"))}
@@ -179,12 +183,12 @@ class TeacherPanel(TeacherSource):
             member.before_step(plain)
 
     def _settle_logit_paths(self, batch: dict) -> None:
-        trainer = self.trainer
-        first = compat.prepare_inputs(trainer, dict(batch))
+        run = self.context
+        first = run.prepare_inputs(dict(batch))
         extras = self.pop_batch(first)  # from this copy: the batch itself keeps them for its loss
         mask = loss_tokens(first)[1]
         model_inputs = {k: v for k, v in first.items() if k not in ("labels", "shift_labels")}
-        trainer.settle_logit_paths(trainer.model_wrapped, model_inputs, mask[:, mask.any(0)], extras)
+        run.logit_paths.settle(run.wrapped, model_inputs, mask[:, mask.any(0)], extras)
 
     def pop_batch(self, inputs: dict):
         route = inputs.pop(ROUTE, None)

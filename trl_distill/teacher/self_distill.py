@@ -39,11 +39,11 @@ class SelfTeacher(TeacherSource):
     def describe(self) -> str:
         return "'self' (the student's base)"
 
-    def attach(self, trainer) -> None:
-        super().attach(trainer)
-        if not hasattr(trainer.model, "disable_adapter"):
+    def attach(self, context) -> None:
+        super().attach(context)
+        if not hasattr(context.model, "disable_adapter"):
             raise ValueError("teacher 'self' needs a PEFT student; the student is not a PeftModel.")
-        self.peft_model, self.module = trainer.model, trainer.model.get_base_model()
+        self.peft_model, self.module = context.model, context.model.get_base_model()
 
     def generation(self, num_processes: int) -> tuple[nn.Module, object, bool]:
         """Sampling from the base: the PEFT model with its adapters disabled."""
@@ -62,5 +62,5 @@ class SelfTeacher(TeacherSource):
 
     def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> DenseRows:
         features = self.features(model_inputs, keep)
-        check_teacher_finite(features.states, self.trainer.accelerator, f"step {self.trainer.state.global_step + 1}")
+        check_teacher_finite(features.states, self.context.accelerator, f"step {self.context.step + 1}")
         return DenseRows(features.states, features.head)

@@ -89,11 +89,11 @@ class ServedTeacher(TeacherSource):
                              f"teacher_server_timeout > 0; got {args.teacher_server_top_k}, "
                              f"{args.teacher_server_concurrency}, {args.teacher_server_timeout}.")
 
-    def attach(self, trainer) -> None:
+    def attach(self, context) -> None:
         """Check the server fits the run (its collator fetches every batch's signal)."""
-        super().attach(trainer)
-        self.check(trainer.processing_class, trainer.vocab_size, trainer.args.max_length)
-        if trainer.accelerator.is_main_process:
+        super().attach(context)
+        self.check(context.processing_class, context.vocab_size, context.args.max_length)
+        if context.accelerator.is_main_process:
             logger.info("Distilling from the teacher %r served at %s: top-%d per loss token, %d requests in flight.",
                         self.name, self.client.url, self.top_k, self.concurrency)
 
@@ -106,14 +106,14 @@ class ServedTeacher(TeacherSource):
             signal, failure = pop_signal(inputs, self.signal_key), None
         except ExternalError as error:  # raised on the request's thread (or in a DataLoader worker)
             signal, failure = None, error
-        first = first_failure(None if failure is None else str(failure), self.trainer.accelerator)
+        first = first_failure(None if failure is None else str(failure), self.context.accelerator)
         if first is None:
             return signal
         self.close()  # what is queued is cancelled, what is in flight stops retrying
         rank, message = first
         whose = "" if failure is not None else f" (met by rank {rank}; every rank stopped)"
         error = type(failure) if failure is not None else TeacherServerError
-        raise error(f"{message}{whose} Stopped at step {self.trainer.state.global_step + 1}: resume from the last "
+        raise error(f"{message}{whose} Stopped at step {self.context.step + 1}: resume from the last "
                     "complete checkpoint with --resume_from_checkpoint true once the server is fixed.") from failure
 
     def sampling_server(self):
@@ -148,7 +148,7 @@ class ServedTeacher(TeacherSource):
         pending = []
         for rows in mine:
             examples = [columns[i] for i in rows]
-            batch = self.trainer.data_collator(examples)
+            batch = self.context.collate(examples)
             pending.append((rows, examples, loss_tokens(batch)[1], batch.pop(self.signal_key)))
         records = []
         for rows, examples, mask, holder in pending:

@@ -24,7 +24,6 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
-from .. import compat
 from ..data.batch import loss_tokens
 from ..model.fused_forward import gathered
 from ..rollout.on_policy import DATASET, completion_source
@@ -81,21 +80,21 @@ class TeacherStepPass:
     """Runs a `DistillationTrainer`'s live `teacher` once per optimizer step and hands each micro-batch its rows
     (`rows.DenseRows` at its loss tokens, in the (row, position) order `loss.fused.select_loss_rows` picks)."""
 
-    def __init__(self, trainer, teacher):
-        self.trainer, self.teacher = trainer, teacher
+    def __init__(self, context, teacher):
+        self.context, self.teacher = context, teacher
         self.queue: deque[tuple[torch.Tensor, DenseRows]] = deque()
         self._held = contextlib.ExitStack()  # the teacher's lm_head, gathered for the step
         self._told = False
 
     def applies(self, batch_samples: list[dict]) -> bool:
         """Whether this step's teacher runs ahead. The same on every rank: the teacher's collectives must match."""
-        trainer, args = self.trainer, self.trainer.args
+        run, args = self.context, self.context.args
         if not (args.teacher_step_pass and batch_samples):
             return False
-        if completion_source(args.lmbda, args.seq_kd, args.seed, trainer.state.global_step) != DATASET:
+        if completion_source(args.lmbda, args.seq_kd, args.seed, run.step) != DATASET:
             return False  # sampled completions: the teacher runs on them, micro-batch by micro-batch
         why = plain_rows(batch_samples, same_width=sequence_parallel_size(args) > 1)
-        if why is not None and not self._told and trainer.accelerator.is_main_process:
+        if why is not None and not self._told and run.accelerator.is_main_process:
             logger.warning("trl_distill: the teacher runs once per micro-batch, not once per optimizer step: %s "
                            "(padding-free or custom inputs), which are not plain [rows, length] tensors.", why)
         self._told = self._told or why is not None
@@ -105,20 +104,20 @@ class TeacherStepPass:
     def run(self, batch_samples: list[dict]) -> None:
         """The teacher over every micro-batch of the step; queues each micro-batch's `DenseRows`. Collective."""
         self.release()
-        trainer = self.trainer
-        batches = [compat.prepare_inputs(trainer, b) for b in batch_samples]
+        run = self.context
+        batches = [run.prepare_inputs(b) for b in batch_samples]
         masks = [loss_tokens(b)[1] for b in batches]
-        if trainer.logit_paths is None:  # which path each model's logits take: settled before the first forward
+        if not run.logit_paths.settled:  # which path each model's logits take: settled before the first forward
             first = {k: v for k, v in batches[0].items() if k not in LABEL_KEYS}
-            trainer.settle_logit_paths(trainer.model_wrapped, first, masks[0][:, masks[0].any(0)])
-        tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+            run.logit_paths.settle(run.wrapped, first, masks[0][:, masks[0].any(0)])
+        tokenizer = run.tokenizer
         rows = right_padded(batches, getattr(tokenizer, "pad_token_id", None) or 0)
         width = rows["input_ids"].shape[1]
         wanted = torch.cat([F.pad(m, (0, width - m.shape[1])) for m in masks])  # [R, width]: loss tokens
         positions = wanted.any(0).nonzero().squeeze(1)  # every position with a loss token in some row
         wanted = wanted[:, positions]
         total = wanted.shape[0]
-        size = min(trainer.args.teacher_batch_size or total, total)
+        size = min(run.args.teacher_batch_size or total, total)
         picked, head = [], None
         for start in range(0, size * self._forward_count(math.ceil(total / size)), size):
             stop = min(start + size, total)
@@ -129,7 +128,7 @@ class TeacherStepPass:
             picked.append(features.states[wanted[start:stop]])  # [n, F], (row, position) order
             head = features.head
         states = torch.cat(picked)
-        check_teacher_finite(states, trainer.accelerator, f"step {trainer.state.global_step + 1}")
+        check_teacher_finite(states, run.accelerator, f"step {run.step + 1}")
         for batch, part in zip(batches, states.split([int(m.sum()) for m in masks])):
             self.queue.append((batch["input_ids"], DenseRows(part, head, selected=True)))
         if head is not None:  # gathered once for the whole step (a no-op for a head that is not partitioned)
@@ -137,10 +136,10 @@ class TeacherStepPass:
 
     def _forward_count(self, mine: int) -> int:
         """Forwards every rank runs: the most any rank needs (a partitioned teacher's gathers are collective)."""
-        accelerator = self.trainer.accelerator
-        if accelerator.num_processes == 1 or self.trainer.args.teacher_batch_size is None:
+        run = self.context
+        if run.num_processes == 1 or run.args.teacher_batch_size is None:
             return mine  # one forward per step on every rank
-        counts = accelerator.gather(torch.tensor([mine], device=self.trainer.args.device))
+        counts = run.accelerator.gather(torch.tensor([mine], device=run.device))
         return int(counts.max())
 
     def take(self, inputs: dict) -> DenseRows | None:
