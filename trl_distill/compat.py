@@ -116,6 +116,22 @@ def reset_accelerate_state() -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
+def earlier_deepspeed_plugins() -> dict | None:
+    """The DeepSpeed plugins an earlier `Accelerator` of this process registered (accelerate refuses a new
+    Accelerator's own while they are held), None if none: `AcceleratorState._shared_state["deepspeed_plugins"]`."""
+    from accelerate.state import AcceleratorState
+
+    return AcceleratorState._shared_state.get("deepspeed_plugins")
+
+
+def forget_accelerator_state() -> None:
+    """Forget the accelerator state (its plugins, its distributed type), keeping the process state:
+    `AcceleratorState._reset_state(reset_partial_state=False)`."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+
+
 # ---- transformers 5.24 / TRL 1.16 ----
 
 def core_attention(implementation: str):
@@ -230,6 +246,24 @@ def _unbroadcast_init():
 
 
 # ---- DeepSpeed 0.19.8: the ZeRO-3 attributes of a parameter ----
+
+def deepspeed_sequence_groups() -> tuple:
+    """DeepSpeed's sequence-parallel state that outlives a run in its process: the groups object its engine registers
+    (`deepspeed.utils.groups.mpu`, read by ZeRO's gradient averaging) and `parallel_state_sp`'s two process groups
+    (`_SEQUENCE_PARALLEL_GROUP`, `_SEQUENCE_DATA_PARALLEL_GROUP`; initialising them again asserts they are None)."""
+    import deepspeed.runtime.sequence_parallel.parallel_state_sp as sp
+    from deepspeed.utils import groups
+
+    return groups.mpu, sp._SEQUENCE_PARALLEL_GROUP, sp._SEQUENCE_DATA_PARALLEL_GROUP
+
+
+def restore_deepspeed_sequence_groups(found: tuple) -> None:
+    """Put back what `deepspeed_sequence_groups` returned."""
+    import deepspeed.runtime.sequence_parallel.parallel_state_sp as sp
+    from deepspeed.utils import groups
+
+    groups.mpu, sp._SEQUENCE_PARALLEL_GROUP, sp._SEQUENCE_DATA_PARALLEL_GROUP = found
+
 
 def is_zero3_partitioned(param: torch.Tensor | None) -> bool:
     """A ZeRO-3 parameter not gathered right now (`ds_id`, `ds_status`)."""

@@ -4,6 +4,7 @@ a student trained with any ZeRO stage (or without DeepSpeed)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from functools import partial
 
@@ -11,6 +12,7 @@ import torch
 from transformers import PreTrainedModel
 from trl import SFTTrainer
 
+from . import compat  # the private library APIs we use, each in one named function
 from .compat import TrainerInternals  # the Trainer's private members we use, each in one named method
 from .config import DistillationConfig, as_distillation_config
 from .data import prepare
@@ -39,6 +41,8 @@ from .runtime.run_lock import refuse_if_locked, take_run_lock
 from .runtime.validation import check_dataset_not_empty, check_output_dir, run_inputs, shared_vocab_size
 from .teacher import TeacherBatch, resolve_teacher
 from .teacher.live import STUDENT
+
+logger = logging.getLogger(__name__)
 
 
 class DistillationTrainer(TrainerInternals, SFTTrainer):
@@ -145,7 +149,9 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         self.guards = Guards(self.context)  # a non-finite loss, on-policy collapse, a teacher worse than the student
         self.metrics = DistillMetrics(self.context, self.guards, self.eval_metric_values)
         self.sampler = CompletionSampler(self.context, self.teacher)  # on-policy / sequence-level (lmbda, seq_kd)
-        self.sharded_attention = None  # sequence parallelism: both models' attention, installed as training starts
+        # sequence parallelism: what it changes in this process (both models' attention), undone as training ends
+        self.sequence_parallel_scope = (sequence_parallel.SequenceParallelScope(args)
+                                        if sequence_parallel.sequence_parallel_size(args) > 1 else None)
         self.generated: dict[str, float] | None = None  # the generation eval's metrics, for the loop's output
         self.add_callback(TrainingBounds(self.context, self.teacher, self.metrics))
 
@@ -165,6 +171,12 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         teacher_plugins = self.teacher.plugins(self.args, student_plugin)
         if teacher_plugins:
             accelerator_args["deepspeed_plugin"] = {STUDENT: student_plugin, **teacher_plugins}
+        if accelerator_args.get("deepspeed_plugin") is not None and compat.earlier_deepspeed_plugins() is not None:
+            # A DeepSpeed trainer built earlier in this process holds accelerate's state, and accelerate refuses new
+            # plugins beside its: this run's plugins take over (the earlier trainer is done with)
+            logger.info("trl_distill: a DeepSpeed trainer was built earlier in this process; this one's DeepSpeed "
+                        "plugins replace its accelerate state (train that one no further).")
+            compat.forget_accelerator_state()
         return accelerator_args
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
@@ -177,8 +189,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
             return super().train(self.resume_point(resume_from_checkpoint), *args, **kwargs)
         finally:
             self.sampler.close()  # the rollout server's connections
-            if self.sharded_attention is not None:  # transformers' attention table as this run found it
-                self.sharded_attention = self.sharded_attention.uninstall()
+            if self.sequence_parallel_scope is not None:  # what it changed in this process, as the run found it
+                self.sequence_parallel_scope.end()
             self.run_lock.release()  # the run is over (at exit otherwise)
 
     def resume_point(self, resume_from_checkpoint: str | bool | None) -> str | bool | None:
@@ -311,8 +323,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
         if sequence_parallel.sequence_parallel_size(self.args) > 1:
             self.model.train()  # the teacher pass runs before `training_step` sets it (the exchange is on in training)
-            if self.sharded_attention is None:  # both models' attention exchanged across the group, for this run
-                self.sharded_attention = sequence_parallel.start(self.context, batch_samples)
+            self.sequence_parallel_scope.start(self.context, batch_samples)  # both models' attention exchanged
             num_items_in_batch = sequence_parallel.sharded_token_count(self.context, batch_samples, device,
                                                                        num_items_in_batch)
         self.teacher.before_step(batch_samples)  # (the training loop is the only caller, in transformers 5.24)

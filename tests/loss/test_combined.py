@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from trl_distill.loss.chunk_pass import chunk_slices
 from trl_distill.loss.combined import MixtureSignal, RoutedSignal, SumSignal, routed_order
 from trl_distill.loss.dense import DenseTeacherSignal
 from trl_distill.loss.divergences import DIVERGENCES, LOSS_TYPES
-from trl_distill.loss.fused import chunk_slices, fused_loss
+from trl_distill.loss.fused import fused_loss
 from trl_distill.loss.settings import LossSettings
 from trl_distill.loss.sparse import SparseSignalChunks, top_k_teacher_signal
 from trl_distill.model.fused_forward import LMHead

@@ -8,13 +8,9 @@ import torch.nn.functional as F
 from test_divergences import ALPHA, BETA, TEMP, _logits, _mask  # the shared references (tests/ is on sys.path)
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from trl_distill.loss.chunk_pass import forward_kl_closed_form
 from trl_distill.loss.divergences import LOSS_TYPES, divergence, per_token_divergence
-from trl_distill.loss.fused import (
-    DistillationLossOutput,
-    _forward_kl_closed_form,
-    chunked_distillation_loss,
-    chunked_divergence,
-)
+from trl_distill.loss.fused import DistillationLossOutput, chunked_distillation_loss, chunked_divergence
 from trl_distill.loss.workspace import Workspace
 
 # ----------------------------------------------------------------------------------------------------------
@@ -141,19 +137,19 @@ def test_chunked_gradcheck(loss_type):
 
 
 @pytest.mark.parametrize("temperature", [1.0, TEMP])
-def test_forward_kl_closed_form_gradient_equals_autograd(temperature):
+def testforward_kl_closed_form_gradient_equals_autograd(temperature):
     s, t = _logits(6, 40)  # float64
     s.requires_grad_(True)
     t_logp = F.log_softmax(t / temperature, -1)
     ref = per_token_divergence(F.log_softmax(s / temperature, -1), t_logp, "forward_kl").sum()
     (g_ref,) = torch.autograd.grad(ref, s)
-    kd, g, none = _forward_kl_closed_form(s.detach(), t_logp.clone(), temperature)
+    kd, g, none = forward_kl_closed_form(s.detach(), t_logp.clone(), temperature)
     torch.testing.assert_close(kd, ref.detach(), rtol=0, atol=1e-6)
     torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-6)
     assert none is None
     # With labels (and reused buffers): the same, and log q at the labels (the CE's terms at T = 1)
     labels = torch.tensor([0, 5, 39, 7, 7, 1])
-    kd2, g2, log_q = _forward_kl_closed_form(s.detach(), t_logp.clone(), temperature, None, Workspace(), labels)
+    kd2, g2, log_q = forward_kl_closed_form(s.detach(), t_logp.clone(), temperature, None, Workspace(), labels)
     torch.testing.assert_close((kd2, g2), (kd, g), rtol=0, atol=0)
     expected = F.log_softmax(s.detach() / temperature, -1)[torch.arange(6), labels]
     torch.testing.assert_close(log_q, expected, rtol=0, atol=1e-12)

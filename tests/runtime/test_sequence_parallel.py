@@ -87,6 +87,19 @@ def test_sp2_with_a_zero3_teacher_trains_as_without(long_pair, tmp_path):
     assert sp[0]["rows"] != sp[1]["rows"]  # the two ranks hold different halves
     said = "sequence parallelism 2 (DeepSpeed Ulysses, sdpa attention): each rank holds 1024 of every 2048-token row"
     assert sp[0]["printed"].count(said) == 1 and said not in dp[0]["printed"]  # rank 0 says so, once
+    # One process, one trainer after another: data-parallel, sequence-parallel, data-parallel again; each computes
+    # what it computes in a process of its own (the sequence-parallel trainer put back the attention it exchanged
+    # and DeepSpeed's sequence groups as its training ended, so the last one runs plain data parallelism)
+    launch(SCRIPTS / "sequence_parallel_worker.py", str(long_pair), str(tmp_path / "in_turn"), "dp+sp+dp", "2",
+           str(TOKENS), timeout=600)
+    for i, mode, alone in ((0, "dp", dp), (1, "sp", sp), (2, "dp", dp)):
+        records = read_rank_records(tmp_path / "in_turn" / f"{i}-{mode}")
+        for rank, own in zip(records, alone, strict=True):
+            for key in KEYS:
+                assert logged(rank["log_history"], key) == pytest.approx(logged(own["log_history"], key), rel=1e-6)
+            weights = torch.load(tmp_path / "in_turn" / f"{i}-{mode}" / f"weights{rank['rank']}.pt")
+            for name, value in own["weights"].items():
+                torch.testing.assert_close(weights[name], value, rtol=1e-6, atol=1e-7, msg=f"{i}-{mode} {name}")
 
 
 @pytest.mark.distributed

@@ -33,6 +33,7 @@ from pathlib import Path
 # What every job imports anyway: paid once per pool, not once per job
 import datasets  # noqa: F401
 import deepspeed  # noqa: F401
+import deepspeed.runtime.sequence_parallel.parallel_state_sp  # noqa: F401  (its groups are watched from the start)
 import peft  # noqa: F401
 import requests  # noqa: F401
 import torch
@@ -101,8 +102,9 @@ def restore_modules(saved: dict) -> None:
 
 def watched_globals() -> dict:
     """``{(module name, attribute): id}`` of the watched libraries' module globals, and the attention registry's
-    entries. A sequence-parallel run registers accelerate's Ulysses attention over sdpa: putting the registry back was
-    not enough (the next data-parallel run in the same ranks logged other losses), so such a run ends its ranks."""
+    entries. A sequence-parallel trainer puts back what it changed as its training ends (the registry's entry and
+    DeepSpeed's sequence groups, `runtime.sequence_parallel.SequenceParallelScope`); a job that leaves either changed
+    ends its ranks (a data-parallel run after it would exchange attention and average over the wrong group)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     seen = {}

@@ -5,6 +5,9 @@ gradient), and the sequence lengths each rank's attention saw (local shard, whol
 
     sequence_parallel_worker.py <pair dir> <out> <sp|dp> <grad accumulation> <tokens> [cache dir | server URL]
 
+Modes joined by '+' (``dp+sp+dp``) train one trainer after another in this process, each into ``<out>/<i>-<mode>``
+with the accumulation of its mode (``dp``: 1, ``sp``: the one given), as separate processes would.
+
 Environment: SP_WORKER_ARGS (JSON, more config fields), SP_WORKER_LORA (a LoRA student).
 """
 
@@ -21,9 +24,15 @@ from trl_distill.testing import long_prompt_completion, tiny_run_settings, write
 
 
 def main():
-    pair, out, mode, accumulation, tokens = sys.argv[1:6]
+    pair, out, modes, accumulation, tokens = sys.argv[1:6]
     cache = sys.argv[6] if len(sys.argv) > 6 else None
-    tokens = int(tokens)
+    if "+" not in modes:
+        return train(pair, out, modes, accumulation, int(tokens), cache)
+    for i, mode in enumerate(modes.split("+")):
+        train(pair, os.path.join(out, f"{i}-{mode}"), mode, accumulation if mode == "sp" else 1, int(tokens), cache)
+
+
+def train(pair: str, out: str, mode: str, accumulation, tokens: int, cache: str | None) -> None:
     tok = AutoTokenizer.from_pretrained(os.path.join(pair, "student"))  # saved beside the student
     if cache and cache.startswith("http"):  # a vLLM server of the teacher
         teacher = {"teacher_server": cache, "teacher_model_name_or_path": "teacher"}
@@ -45,19 +54,20 @@ def main():
                                   peft_config=lora)
     start = trainer.get_batch_samples
 
-    rows = []
+    rows, attention = [], []  # the run's sharded attention (uninstalled, and let go, as training ends)
 
     def recording(*a, **k):
         result = start(*a, **k)
         rows.append([int(b["input_ids"].sum()) for b in result[0]])
-        if getattr(trainer, "sharded_attention", None) is not None:
-            trainer.sharded_attention.recording = True
+        if trainer.sequence_parallel_scope is not None and not attention:
+            attention.append(trainer.sequence_parallel_scope.attention)
+            attention[0].recording = True
         return result
 
     trainer.get_batch_samples = recording
     trainer.train()
     rec = {"rank": trainer.args.process_index, "log_history": trainer.state.log_history, "rows": rows,
-           "seen": sorted(set(map(tuple, getattr(trainer, "sharded_attention", None).seen))) if mode == "sp" else []}
+           "seen": sorted(set(map(tuple, attention[0].seen))) if mode == "sp" else []}
     torch.save({n: p.detach().clone() for n, p in trainer.student.named_parameters()},
                os.path.join(out, f"weights{rec['rank']}.pt"))
     write_rank_record(out, rec["rank"], rec)

@@ -173,19 +173,48 @@ def collator(base, args):
     return PositionIdsCollator(base, sequence_parallel_size(args))
 
 
-def start(context, batch_samples: list[dict]):
-    """As a run's first optimizer step starts (accelerate has built the groups by then): both models' attention
-    exchanged across the group while the student trains (`model.sharded_attention`); the `ShardedAttention` installed,
-    which its trainer uninstalls when training ends."""
-    from ..model.sharded_attention import install_sharded_attention
+class SequenceParallelScope:
+    """What a sequence-parallel run changes in its process beyond its trainer, put back as its training ends (`end`):
+    the attention function registered for its implementation (accelerate has DeepSpeed put its Ulysses wrapper there
+    as the student is prepared, and `start` puts ours over it) and DeepSpeed's sequence-parallel groups. A later
+    trainer in the same process (data-parallel, another size) starts from what this one found."""
 
-    implementation = attention_implementation(context.args)
-    sharded = install_sharded_attention(implementation, lambda: context.training)
-    if batch_samples and context.accelerator.is_main_process:
-        size, width = sequence_parallel_size(context.args), batch_samples[0]["input_ids"].shape[1]
-        logger.info(f"trl_distill: sequence parallelism {size} (DeepSpeed Ulysses, {implementation} attention): each "
-                    f"rank holds {width} of every {width * size}-token row's positions, student and teacher alike.")
-    return sharded
+    def __init__(self, args):
+        from ..compat import attention_override, deepspeed_sequence_groups
+
+        self.args, self.implementation = args, attention_implementation(args)
+        self.found = attention_override(self.implementation), deepspeed_sequence_groups()
+        self.attention = None  # the installed `ShardedAttention`, from the first step to the end of training
+
+    def start(self, context, batch_samples: list[dict]) -> None:
+        """As the run's first optimizer step starts (accelerate has built the groups by then): both models' attention
+        exchanged across the group while the student trains (`model.sharded_attention`)."""
+        if self.attention is not None:
+            return
+        from ..model.sharded_attention import install_sharded_attention
+
+        self.attention = install_sharded_attention(self.implementation, lambda: context.training)
+        if batch_samples and context.accelerator.is_main_process:
+            size, width = sequence_parallel_size(self.args), batch_samples[0]["input_ids"].shape[1]
+            logger.info(f"trl_distill: sequence parallelism {size} (DeepSpeed Ulysses, {self.implementation} "
+                        f"attention): each rank holds {width} of every {width * size}-token row's positions, student "
+                        "and teacher alike.")
+
+    def end(self) -> None:
+        """Training is over: transformers' attention registry and DeepSpeed's groups as this run found them."""
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        from ..compat import attention_override, restore_deepspeed_sequence_groups
+
+        if self.attention is not None:
+            self.attention.uninstall()
+            self.attention = None
+        attention, groups = self.found
+        if attention is not None:
+            ALL_ATTENTION_FUNCTIONS[self.implementation] = attention
+        elif attention_override(self.implementation) is not None:
+            del ALL_ATTENTION_FUNCTIONS[self.implementation]
+        restore_deepspeed_sequence_groups(groups)
 
 
 def sharded_token_count(context, batch_samples: list[dict], device, counted):
