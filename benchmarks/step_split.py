@@ -5,7 +5,7 @@ Parts (seconds per optimizer step, means over the timed steps; each part exclude
 
 * ``teacher``: ours, the once-per-step teacher pass (`teacher.before_step`: its ZeRO-3 gathers and forward, with
   the step's data fetch); GKD, the teacher's forward (full logits).
-* ``loss``: ours, the fused loss (`DistillationTrainer._fused_loss`, which also computes the lm_head's gradients);
+* ``loss``: ours, the fused loss (`loss.fused.features_loss`, which also computes the lm_head's gradients);
   GKD, `generalized_jsd_loss` (its backward runs in ``backward``).
 * ``student_forward``: the rest of `compute_loss`: the student's body forward (ours: inside it the loss).
 * ``backward``: `accelerator.backward`, in which ZeRO-2 reduces the gradients (`overlap_comm` off).
@@ -16,6 +16,7 @@ Parts (seconds per optimizer step, means over the timed steps; each part exclude
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import defaultdict
 
@@ -65,7 +66,7 @@ def instrument_ours(trainer) -> Split:
     split.wrap(trainer.teacher, "before_step", "teacher")
     split.wrap(trainer, "training_step", "training_step")
     split.wrap(trainer, "compute_loss", "compute_loss")
-    split.wrap(trainer, "_fused_loss", "loss")
+    split.wrap(sys.modules[type(trainer).__module__], "features_loss", "loss")  # the trainer's name for it
     split.wrap(trainer.accelerator, "backward", "backward")
     return split
 

@@ -241,7 +241,7 @@ def test_no_module_but_the_trainer_takes_or_stores_the_trainer_or_changes_it():
     assert holding == {} and changing == {}
     assert holds_the_trainer(ast.parse("class A:\n    def __init__(self, trainer):\n        self.trainer = trainer\n"))
     assert holds_the_trainer(ast.parse("def f(run: 'DistillationTrainer'):\n    pass\n"))
-    for source in ("trainer.train_dataset = d", "self.trainer.data_collator = c", "context.sharded_attention = s",
+    for source in ("trainer.train_dataset = d", "self.trainer.data_collator = c", "context.sequence_parallel_scope = s",
                    "setattr(self.trainer, 'x', 1)", "x.logit_paths, y = a, b"):
         assert assigns_a_trainer_attribute(ast.parse(source), names), source
     assert not assigns_a_trainer_attribute(ast.parse("self.model = m\nargs.save_total_limit = None"), names)

@@ -185,6 +185,41 @@ def test_the_attention_registry_and_model_classes_sequence_parallelism_reads():
     assert not compat.uses_attention_interface(compat.causal_lm_class(BloomConfig()))
 
 
+def test_deepspeed_sequence_groups_are_read_and_put_back():
+    import deepspeed.runtime.sequence_parallel.parallel_state_sp as sp
+    from deepspeed.utils import groups
+
+    found = compat.deepspeed_sequence_groups()
+    assert found == (groups.mpu, sp._SEQUENCE_PARALLEL_GROUP, sp._SEQUENCE_DATA_PARALLEL_GROUP)
+    marks = (object(), object(), object())
+    try:
+        compat.restore_deepspeed_sequence_groups(marks)
+        assert (groups.mpu, sp._SEQUENCE_PARALLEL_GROUP, sp._SEQUENCE_DATA_PARALLEL_GROUP) == marks
+        assert compat.deepspeed_sequence_groups() == marks
+    finally:
+        compat.restore_deepspeed_sequence_groups(found)
+    assert compat.deepspeed_sequence_groups() == found
+
+
+def test_an_earlier_accelerators_deepspeed_plugins_are_seen_and_forgotten():
+    """accelerate refuses a new Accelerator's DeepSpeed plugins while an earlier one's are held; forgetting the
+    accelerator state drops them and keeps the process state."""
+    from accelerate import PartialState
+    from accelerate.state import AcceleratorState
+
+    saved, process = dict(AcceleratorState._shared_state), dict(PartialState._shared_state)
+    plugins = {"student": object()}
+    try:
+        AcceleratorState._shared_state["deepspeed_plugins"] = plugins
+        assert compat.earlier_deepspeed_plugins() is plugins
+        compat.forget_accelerator_state()
+        assert compat.earlier_deepspeed_plugins() is None and AcceleratorState._shared_state == {}
+        assert PartialState._shared_state == process
+    finally:
+        AcceleratorState._shared_state.clear()
+        AcceleratorState._shared_state.update(saved)
+
+
 def test_the_attention_override_and_its_removal():
     """`attention_override`: None while sdpa runs transformers' own; what was registered over it after; an installed
     `ShardedAttention` puts back what it replaced, and leaves no entry where there was none."""

@@ -19,9 +19,9 @@ from .data import prepare
 from .data.batch import loss_tokens
 from .evaluation.fields import eval_sampling_temperature
 from .evaluation.generation import GenerationEvaluation, eval_settings
-from .loss.fused import fused_loss, select_loss_rows
+from .loss.fused import features_loss
 from .loss.settings import LossSettings
-from .model.fused_forward import LossFeatures, add_fused_distillation_forward, gathered
+from .model.fused_forward import add_fused_distillation_forward
 from .model.logit_check import LogitPaths
 from .rollout.on_policy import STUDENT as STUDENT_SAMPLES
 from .rollout.on_policy import (
@@ -39,7 +39,7 @@ from .runtime.log_setup import setup_logging
 from .runtime.metrics import DistillMetrics, TrainingBounds
 from .runtime.run_lock import refuse_if_locked, take_run_lock
 from .runtime.validation import check_dataset_not_empty, check_output_dir, run_inputs, shared_vocab_size
-from .teacher import TeacherBatch, resolve_teacher
+from .teacher import resolve_teacher
 from .teacher.live import STUDENT
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
             # what collaborators receive instead of the trainer (calls go down: none calls back, none changes it)
             self.context = RunContext(
                 args, self.accelerator, lambda: self.state, lambda: self.model, lambda: self.model_wrapped,
-                lambda examples: self.data_collator(examples), self.prepared_inputs, self.processing_class,
+                lambda examples: self.data_collator(examples), self.prepared_inputs, lambda: self.processing_class,
                 self.vocab_size, self.logit_paths)
             self.teacher.attach(self.context)  # its fit checks
             self.train_dataset = self.teacher.train_rows(self.train_dataset)  # e.g. a cache's row numbers
@@ -353,8 +353,9 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         if not self.logit_paths.settled:
             self.logit_paths.settle(model, model_inputs, mask, extras)
         teacher = self.teacher.for_batch(model_inputs, extras, mask, keep)  # every rank: gathers are collective
-        loss_fn = partial(self._fused_loss, teacher=teacher, target=target, mask=mask,
-                          num_items_in_batch=num_items_in_batch, correction=correction)
+        loss_fn = partial(features_loss, teacher=teacher, target=target, mask=mask, settings=self.loss_settings,
+                          num_items_in_batch=num_items_in_batch, correction=correction,
+                          diagnostics=self.metrics.diagnostics())  # run inside the student's forward
         kd, ce = model(**model_inputs, fused_distillation=loss_fn, loss_positions=keep)
         self.teacher.after_loss()
         self.sampler.observe(correction)
@@ -374,20 +375,6 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         if return_outputs:
             return loss, {"kd_loss": kd.detach(), "ce_loss": ce.detach()}
         return loss
-
-    def _fused_loss(self, student: LossFeatures, *, teacher: TeacherBatch, target, mask, num_items_in_batch,
-                    correction=None):
-        """Runs inside the student's forward: both lm_heads (or the student's and the teacher's signal), a chunk of
-        completion rows at a time; a model on the exact path hands its own logits instead."""
-        s_flat, rows, labels = select_loss_rows(student.states, mask, target.clamp(min=0))
-        heads = [h for h in (student.head, *teacher.heads) if h is not None]
-        settings = self.loss_settings
-        with gathered(*(p for head in heads for p in head.params)):
-            signal = teacher.signal(rows, len(labels), settings)
-            if signal.order is not None:  # routed: the rows teacher by teacher (`loss.combined`)
-                rows, labels = rows.index_select(0, signal.order), labels.index_select(0, signal.order)
-            return fused_loss(s_flat, student.head, signal, settings, rows, labels, num_items_in_batch, correction,
-                              self.metrics.diagnostics())
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self.prepared_inputs(inputs)

@@ -81,12 +81,12 @@ class CycleDivergence(TrainerCallback):
 def count_lm_head_gathers(rec):
     """Record, per call of an lm_head gather (the loss's, and the once-per-step teacher pass's), how many of the
     given parameters are ZeRO-3 partitioned (0: nothing to gather, e.g. the teacher's head already held)."""
+    import trl_distill.loss.fused as loss_module
     import trl_distill.teacher.step_pass as step_module
-    import trl_distill.trainer as trainer_module
     from trl_distill.compat import is_zero3_partitioned
 
     rec["lm_head_gathers"] = []
-    for module in (trainer_module, step_module):
+    for module in (loss_module, step_module):
         def counting(*params, original=module.gathered):
             rec["lm_head_gathers"].append(sum(is_zero3_partitioned(p) for p in params))
             return original(*params)

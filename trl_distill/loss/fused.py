@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..model.fused_forward import LMHead
+from ..model.fused_forward import LMHead, LossFeatures, gathered
 from .chunk_pass import ChunkPass, LossJob
 from .dense import DenseTeacherSignal
 from .diagnostics import LossDiagnostics
@@ -147,6 +147,23 @@ def fused_loss(
     kd = normalise_sum(kd_sum, n, num_items_in_batch)
     ce = normalise_sum(ce_sum, n, num_items_in_batch) if labels is not None else None
     return DistillationLossOutput(kd, ce)
+
+
+def features_loss(student: LossFeatures, *, teacher, target: Tensor, mask: Tensor, settings: LossSettings,
+                  num_items_in_batch=None, correction: RolloutCorrection | None = None,
+                  diagnostics: LossDiagnostics | None = None) -> DistillationLossOutput:
+    """One micro-batch's loss, run inside the student's patched forward (`model.fused_forward`, so DeepSpeed's hooks
+    wrap it): the student's `LossFeatures` at the kept positions, the loss tokens `mask` ``[B, K]`` and their
+    `target` ``[B, K]``, and the teacher over them (a `teacher.base.TeacherBatch`: its `heads`, gathered around the
+    loss, and its `signal`; a routed signal's `order` reorders the rows teacher by teacher)."""
+    s_flat, rows, labels = select_loss_rows(student.states, mask, target.clamp(min=0))
+    heads = [head for head in (student.head, *teacher.heads) if head is not None]
+    with gathered(*(param for head in heads for param in head.params)):
+        signal = teacher.signal(rows, len(labels), settings)
+        if signal.order is not None:  # routed: the rows teacher by teacher (`loss.combined`)
+            rows, labels = rows.index_select(0, signal.order), labels.index_select(0, signal.order)
+        return fused_loss(s_flat, student.head, signal, settings, rows, labels, num_items_in_batch, correction,
+                          diagnostics)
 
 
 def chunked_distillation_loss(

@@ -30,8 +30,8 @@ class RunContext:
     """The run's collator, composed (the teacher kind's and sequence parallelism's around SFT's)."""
     prepare_inputs: Callable[[dict], dict] | None = None
     """A collated batch moved to the device as the training step moves it."""
-    processing_class: Any = None
-    """The student's tokenizer or processor."""
+    processing_class_of: Callable[[], Any] | None = None
+    """The student's tokenizer or processor (``Trainer.processing_class``)."""
     vocab_size: int = 0
     """The vocabulary the loss compares (the student's and the teacher's shared ids)."""
     logit_paths: Any = None
@@ -59,6 +59,10 @@ class RunContext:
     @property
     def num_processes(self) -> int:
         return self.accelerator.num_processes
+
+    @property
+    def processing_class(self):
+        return None if self.processing_class_of is None else self.processing_class_of()
 
     @property
     def tokenizer(self):
