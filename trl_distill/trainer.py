@@ -110,11 +110,11 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         )
         if self.accelerator.is_main_process:
             prepare.log_skipped_rows(train_dataset, self.train_dataset, args)
-        validation.refuse_router_aux_loss(self.aux_loss_enabled)
         self.run_lock = take_run_lock(args)  # one run per output_dir (released at train end or exit)
         self.student_identity = student_identity(self.model)  # what a checkpoint records of the student
         add_fused_distillation_forward(self.student)
         try:
+            validation.check_router_aux_loss(self.student, self.aux_loss_enabled, args)  # an MoE student's
             self.vocab_size = shared_vocab_size(self.student.config, self.teacher.vocab_config(self.student.config),
                                                 self.processing_class)
             self.logit_paths = LogitPaths(self.accelerator, self.teacher.logit_candidates, args.bf16 or args.fp16,
@@ -340,7 +340,9 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
     # ---- Loss ----
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """``alpha * KD + (1 - alpha) * CE`` over completion tokens, normalised like the HF Trainer's loss."""
+        """``alpha * KD + (1 - alpha) * CE`` over completion tokens, normalised like the HF Trainer's loss; a
+        Mixture-of-Experts student's router load-balancing loss added as SFTTrainer adds it
+        (``router_aux_loss_coef``)."""
         args = self.args
         extras = self.teacher.pop_batch(inputs)  # what the teacher's collator added; the student must not see it
         correction = self.sampler.pop_correction(inputs)  # sampled by the rollout engine: its log-probs
@@ -356,7 +358,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         loss_fn = partial(features_loss, teacher=teacher, target=target, mask=mask, settings=self.loss_settings,
                           num_items_in_batch=num_items_in_batch, correction=correction,
                           diagnostics=self.metrics.diagnostics())  # run inside the student's forward
-        kd, ce = model(**model_inputs, fused_distillation=loss_fn, loss_positions=keep)
+        routed = {"output_router_logits": True} if self.aux_loss_enabled else {}  # the aux loss, same forward
+        kd, ce, aux = model(**model_inputs, **routed, fused_distillation=loss_fn, loss_positions=keep)
         self.teacher.after_loss()
         self.sampler.observe(correction)
         if args.kd_temperature_scaling:
@@ -367,13 +370,21 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
             scale = self.accelerator.num_processes // self.get_tp_size()
             loss, kd, ce = loss * scale, kd * scale, ce * scale
             loss = sequence_parallel.gradient_scaled(loss, args)  # DeepSpeed sums a sequence group's gradients
+        if aux is not None:  # a per-micro-batch mean, weighted as SFTTrainer weights it (the Trainer averages
+            # the micro-batches' loss over accumulation when it does not count the tokens itself)
+            steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+            loss = loss + self.router_aux_loss_coef * aux.to(loss.device) / steps
+        if self.model.training:  # logged as one value per optimizer step: the mean of its micro-batches'
+            aux = aux / self.current_gradient_accumulation_steps if aux is not None else None
         if num_items_in_batch is None and self.model.training:
             # a per-micro-batch mean: the Trainer divides the loss by the accumulation steps; log alike
             kd, ce = kd / self.current_gradient_accumulation_steps, ce / self.current_gradient_accumulation_steps
-        self.metrics.record(kd, ce, target.shape[0], loss, on_policy=self.model.training and self.sampler.on_policy)
+        self.metrics.record(kd, ce, target.shape[0], loss, on_policy=self.model.training and self.sampler.on_policy,
+                            aux=aux)
         self.metrics.record_teachers(kd, self.teacher.kd_parts(), self.teacher.own_metrics())  # several teachers
         if return_outputs:
-            return loss, {"kd_loss": kd.detach(), "ce_loss": ce.detach()}
+            return loss, {"kd_loss": kd.detach(), "ce_loss": ce.detach(),
+                          **({} if aux is None else {"aux_loss": aux.detach()})}
         return loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):

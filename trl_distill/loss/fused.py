@@ -151,19 +151,21 @@ def fused_loss(
 
 def features_loss(student: LossFeatures, *, teacher, target: Tensor, mask: Tensor, settings: LossSettings,
                   num_items_in_batch=None, correction: RolloutCorrection | None = None,
-                  diagnostics: LossDiagnostics | None = None) -> DistillationLossOutput:
-    """One micro-batch's loss, run inside the student's patched forward (`model.fused_forward`, so DeepSpeed's hooks
-    wrap it): the student's `LossFeatures` at the kept positions, the loss tokens `mask` ``[B, K]`` and their
-    `target` ``[B, K]``, and the teacher over them (a `teacher.base.TeacherBatch`: its `heads`, gathered around the
-    loss, and its `signal`; a routed signal's `order` reorders the rows teacher by teacher)."""
+                  diagnostics: LossDiagnostics | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One micro-batch's ``(kd, ce, aux)``, run inside the student's patched forward (`model.fused_forward`, so
+    DeepSpeed's hooks wrap it): the student's `LossFeatures` at the kept positions, the loss tokens `mask` ``[B, K]``
+    and their `target` ``[B, K]``, and the teacher over them (a `teacher.base.TeacherBatch`: its `heads`, gathered
+    around the loss, and its `signal`; a routed signal's `order` reorders the rows teacher by teacher). ``aux``: a
+    Mixture-of-Experts student's router load-balancing loss of the same forward (None: not asked for)."""
     s_flat, rows, labels = select_loss_rows(student.states, mask, target.clamp(min=0))
     heads = [head for head in (student.head, *teacher.heads) if head is not None]
     with gathered(*(param for head in heads for param in head.params)):
         signal = teacher.signal(rows, len(labels), settings)
         if signal.order is not None:  # routed: the rows teacher by teacher (`loss.combined`)
             rows, labels = rows.index_select(0, signal.order), labels.index_select(0, signal.order)
-        return fused_loss(s_flat, student.head, signal, settings, rows, labels, num_items_in_batch, correction,
-                          diagnostics)
+        kd, ce = fused_loss(s_flat, student.head, signal, settings, rows, labels, num_items_in_batch, correction,
+                            diagnostics)
+    return kd, ce, student.aux_loss
 
 
 def chunked_distillation_loss(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 import types
 from typing import NamedTuple
 
@@ -30,6 +31,9 @@ class LossFeatures(NamedTuple):
 
     states: torch.Tensor
     head: LMHead | None
+    aux_loss: torch.Tensor | None = None
+    """A Mixture-of-Experts model's router load-balancing loss from the same forward (unweighted, as its own forward
+    returns it), when asked for with ``output_router_logits=True``; else None."""
 
 
 def add_fused_distillation_forward(model: nn.Module) -> None:
@@ -41,7 +45,9 @@ def add_fused_distillation_forward(model: nn.Module) -> None:
     (``logits_to_keep``). `loss_positions` (1-D, sorted) keeps those sequence positions; None keeps all. Because `fn`
     runs *inside* the model's forward, a DeepSpeed engine's forward hooks (ZeRO-3 gathers, timers) wrap it as they
     wrap a normal forward. Without the keyword the forward is unchanged (generation, evaluation with logits). Patch
-    the `PreTrainedModel`, before any PEFT wrapping or `accelerate.prepare`; patching twice is a no-op.
+    the `PreTrainedModel`, before any PEFT wrapping or `accelerate.prepare`; patching twice is a no-op. With
+    ``output_router_logits=True`` (a Mixture-of-Experts model) the features carry the router's load-balancing loss
+    of the same forward (`router_aux_loss`).
     """
     if getattr(model, _PATCHED, False):
         return
@@ -55,21 +61,48 @@ def add_fused_distillation_forward(model: nn.Module) -> None:
         for key in ("labels", "shift_labels", "num_items_in_batch", "fused_lm_head", "logits_to_keep"):
             kwargs.pop(key, None)
         kwargs["use_cache"] = False
+        routed = kwargs.pop("output_router_logits", False)
+        if hasattr(self.config.get_text_config(), "output_router_logits"):  # an MoE model: its router's logits
+            kwargs["output_router_logits"] = routed  # only when asked (its config may say so for other callers)
         if getattr(self, _EXACT, False):
             if takes_positions and loss_positions is not None:
                 kwargs["logits_to_keep"] = loss_positions
-            logits = original_forward(*args, **kwargs).logits
+            outputs = original_forward(*args, **kwargs)
+            logits = outputs.logits
             if not takes_positions and loss_positions is not None:
                 logits = logits[:, loss_positions]
-            return fused_distillation(LossFeatures(logits, None))
+            return fused_distillation(LossFeatures(logits, None, outputs.aux_loss if routed else None))
         head = LMHead.of(self)  # before any compute: a model we cannot rebuild fails here, not mid-forward
-        hidden = backbone(self)(*args, **kwargs).last_hidden_state
+        outputs = backbone(self)(*args, **kwargs)
+        hidden = outputs.last_hidden_state
         if loss_positions is not None:
             hidden = hidden[:, loss_positions]
-        return fused_distillation(LossFeatures(hidden, head))
+        aux = router_aux_loss(self, outputs.router_logits, kwargs.get("attention_mask")) if routed else None
+        return fused_distillation(LossFeatures(hidden, head, aux))
 
     model.forward = types.MethodType(forward, model)
     setattr(model, _PATCHED, True)
+
+
+def router_aux_loss(model: nn.Module, router_logits, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """The router load-balancing loss a Mixture-of-Experts causal LM's own forward computes from its backbone's
+    router logits: its module's `load_balancing_loss_func` with the expert count, top-k and attention mask it passes
+    (transformers 5.24; `moe_aux_refusal` says first which models cannot, and tests hold it to the model's own
+    `aux_loss`)."""
+    module = sys.modules[type(model).__module__]
+    return module.load_balancing_loss_func(router_logits, model.num_experts, model.num_experts_per_tok,
+                                           attention_mask)
+
+
+def moe_aux_refusal(model: nn.Module) -> str | None:
+    """Why `router_aux_loss` cannot take `model`'s load-balancing loss from its backbone (None: it can)."""
+    module = sys.modules[type(model).__module__]
+    missing = [name for name in ("num_experts", "num_experts_per_tok") if not hasattr(model, name)]
+    if not hasattr(module, "load_balancing_loss_func") or missing:
+        return (f"{type(model).__name__} computes no router load-balancing loss the distillation loss can take from "
+                "its forward (transformers' own `load_balancing_loss_func` with its expert count and top-k): set "
+                "router_aux_loss_coef=0.0 to distil it without one.")
+    return None
 
 
 def use_exact_logits(model: nn.Module, exact: bool = True) -> None:

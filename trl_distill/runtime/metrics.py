@@ -67,9 +67,10 @@ class DistillMetrics:
             step % state.logging_steps == 0 or args.logging_first_step and step == 1)
 
     def record(self, kd: torch.Tensor, ce: torch.Tensor, batch_size: int, loss: torch.Tensor,
-               on_policy: bool = False) -> None:
-        """After one micro-batch's loss: its terms, its diagnostics (`on_policy`: the student sampled its
-        completions) and, in training, the non-finite guard (collective)."""
+               on_policy: bool = False, aux: torch.Tensor | None = None) -> None:
+        """After one micro-batch's loss: its terms (`aux`: an MoE student's router load-balancing loss), its
+        diagnostics (`on_policy`: the student sampled its completions) and, in training, the non-finite guard
+        (collective)."""
         run, pending, self.pending = self.context, self.pending, None
         if self.scoring is not None:  # the generation eval's samples: their diagnostics only, apart from the loss's
             if pending is not None:
@@ -87,9 +88,11 @@ class DistillMetrics:
             self.guards.check_loss(loss)
             self.sums["kd_loss"] += kd.detach()
             self.sums["ce_loss"] += ce.detach()
+            if aux is not None:
+                self.sums["aux_loss"] = self.sums.get("aux_loss", 0.0) + aux.detach()
             return
         # Like `eval_loss`: one value per sample, duplicates of an uneven last batch dropped.
-        for name, value in (("kd_loss", kd), ("ce_loss", ce)):
+        for name, value in (("kd_loss", kd), ("ce_loss", ce), *([("aux_loss", aux)] if aux is not None else [])):
             values = run.accelerator.gather_for_metrics(value.detach().reshape(1).repeat(batch_size))
             self.eval_values(name).extend(values.tolist())
 

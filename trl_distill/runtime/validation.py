@@ -304,10 +304,19 @@ def dataset_sources(dataset) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def refuse_router_aux_loss(enabled: bool) -> None:
-    """A Mixture-of-Experts student whose router load-balancing loss is on: refused (the KD loss would drop it)."""
-    if enabled:
-        raise ValueError(
-            "A Mixture-of-Experts student with a router load-balancing loss is not supported yet: the "
-            "distillation loss would silently drop it. Set `router_aux_loss_coef=0.0` to train without it."
-        )
+def check_router_aux_loss(student, enabled: bool, args) -> None:
+    """A Mixture-of-Experts student whose router load-balancing loss is on (`router_aux_loss_coef`): the loss takes
+    it from the student's own forward (`model.fused_forward.router_aux_loss`), so the model must compute one; under
+    sequence parallelism each rank would balance its shard's positions alone: refused."""
+    if not enabled:
+        return
+    from ..model.fused_forward import moe_aux_refusal
+    from .sequence_parallel import sequence_parallel_size
+
+    refusal = moe_aux_refusal(student)
+    if refusal is not None:
+        raise ValueError(refusal)
+    if sequence_parallel_size(args) > 1:
+        raise ValueError("A Mixture-of-Experts student's router load-balancing loss under sequence parallelism is not "
+                         "supported: each rank would balance its own shard of the positions. Set "
+                         "router_aux_loss_coef=0.0, or sequence_parallel_size=1.")

@@ -1,0 +1,122 @@
+"""Mixture-of-Experts students and teachers (issue 45): on every MoE architecture transformers ships that builds from
+a tiny config here, the start-up logits check takes the fused path for both models, and the loss is
+``alpha * KD + (1 - alpha) * CE + router_aux_loss_coef * aux`` with KD and CE from each model's own logits and
+``aux`` the student's own forward's router load-balancing loss (`output_router_logits=True`), its gradient reaching
+the router; training logs it as `aux_loss`. A model whose forward computes no such loss is refused with one line."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from trl_distill import DistillationConfig, DistillationTrainer, divergence
+from trl_distill.testing import build_tokenizer, synthetic_prompt_completion, tiny_run_settings
+
+SMALL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+             num_experts_per_tok=2)
+COEF = 0.02
+SAMPLES_ROUTES_IN_TRAINING = {"phimoe"}  # its router samples experts in train mode (sparsemixer): no fixed reference
+# model type -> its expert fields (the names differ per architecture), for a tiny model of 4 experts, top-2
+MOE = {
+    "mixtral": dict(num_local_experts=4),
+    "qwen2_moe": dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16),
+    "qwen3_moe": dict(num_experts=4, moe_intermediate_size=16, head_dim=8),
+    "olmoe": dict(num_experts=4),
+    "flex_olmo": dict(num_experts=4),
+    "gpt_oss": dict(num_local_experts=4, head_dim=8),
+    "granitemoe": dict(num_local_experts=4),
+    "granitemoeshared": dict(num_local_experts=4, shared_intermediate_size=16),
+    "phimoe": dict(num_local_experts=4),
+    "minimax": dict(num_local_experts=4, head_dim=8),
+    "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=16),
+    "jamba": dict(num_experts=4, expert_layer_period=1, expert_layer_offset=0, attn_layer_period=2,
+                  attn_layer_offset=1),
+    "jetmoe": dict(num_local_experts=4),
+    "qwen3_next": dict(num_experts=4, moe_intermediate_size=16, head_dim=8, shared_expert_intermediate_size=16),
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def build(tokenizer, name: str, seed: int, **overrides):
+    ids = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+               eos_token_id=tokenizer.eos_token_id)
+    config = AutoConfig.for_model(name, vocab_size=len(tokenizer), **ids, **{**SMALL, **MOE.get(name, {}), **overrides})
+    for key, value in config.to_dict().items():  # deterministic forwards: train mode == eval mode
+        if "dropout" in key and isinstance(value, float):
+            setattr(config, key, 0.0)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def routers(model) -> dict[str, torch.nn.Parameter]:
+    """The router (gate) weights of each MoE layer."""
+    return {n: p for n, p in model.named_parameters() if ("gate" in n or "router" in n) and "proj" not in n
+            and p.dim() == 2 and p.shape[0] == 4}
+
+
+@pytest.mark.parametrize("name", list(MOE))
+def test_the_loss_adds_the_students_own_router_loss(name, tokenizer, tmp_path):
+    teacher, student = build(tokenizer, name, 0), build(tokenizer, name, 1)
+    data = synthetic_prompt_completion(6, seed=3)
+    args = DistillationConfig(output_dir=str(tmp_path), router_aux_loss_coef=COEF, **tiny_run_settings(
+        max_steps=1, per_device_train_batch_size=len(data), divergence="forward_kl", alpha=0.5, temperature=1.0))
+    trainer = DistillationTrainer(student, teacher, args=args, train_dataset=data, processing_class=tokenizer)
+    assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == COEF
+    batch = trainer.prepared_inputs(trainer.data_collator([trainer.train_dataset[i] for i in range(len(data))]))
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    target = batch["labels"][:, 1:]
+    mask = target != -100
+    with torch.no_grad():
+        own = student(**inputs, output_router_logits=True, use_cache=False)
+        s, t = own.logits[:, :-1][mask], teacher(**inputs, use_cache=False).logits[:, :-1][mask]
+        kd, ce = divergence(s, t, "forward_kl").item(), F.cross_entropy(s, target[mask]).item()
+    aux = own.aux_loss.item()
+    assert aux > 0
+
+    trainer.prepare_teacher()
+    trainer.model.eval()  # (one micro-batch, its own mean; dropout is 0 either way)
+    loss = trainer.compute_loss(trainer.model, dict(batch))
+    assert loss.item() == pytest.approx(0.5 * kd + 0.5 * ce + COEF * aux, abs=1e-6)
+    assert {p.name: p.exact for p in trainer.logit_paths} == {"student": False, "teacher": False}
+    loss.backward()
+    with_aux = {n: p.grad.clone() for n, p in routers(student).items()}
+    assert with_aux and all(g.abs().sum() > 0 for g in with_aux.values())
+    student.zero_grad()
+    # the router loss's own gradient
+    (COEF * student(**inputs, output_router_logits=True, use_cache=False).aux_loss).backward()
+    aux_grad = {n: p.grad.clone() for n, p in routers(student).items()}
+    student.zero_grad()
+    trainer.compute_loss(trainer.model, dict(batch)).backward()
+    trainer.router_aux_loss_coef = 0.0
+    student.zero_grad()
+    trainer.compute_loss(trainer.model, dict(batch)).backward()
+    without = {n: p.grad.clone() for n, p in routers(student).items()}
+    for n in with_aux:  # what the aux term adds to the router's gradient is the router loss's own gradient
+        torch.testing.assert_close(with_aux[n] - without[n], aux_grad[n], rtol=1e-4, atol=1e-7)
+
+    trainer.router_aux_loss_coef = COEF
+    student.zero_grad()
+    trainer.model.train()
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    if name in SAMPLES_ROUTES_IN_TRAINING:
+        assert logged["aux_loss"] > 0
+        return
+    assert logged["aux_loss"] == pytest.approx(aux, rel=1e-5)
+    assert logged["loss"] == pytest.approx(0.5 * kd + 0.5 * ce + COEF * aux, rel=1e-5)
+
+
+def test_a_student_whose_forward_computes_no_router_loss_is_refused(tokenizer, tmp_path):
+    """DeepSeek-V3 balances its experts with a bias, not a loss: a coefficient for one is refused, naming the fix."""
+    student = build(tokenizer, "deepseek_v3", 1, n_routed_experts=4, num_key_value_heads=2, moe_intermediate_size=16,
+                    first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                    v_head_dim=4, n_group=1, topk_group=1)
+    args = DistillationConfig(output_dir=str(tmp_path / "out"), router_aux_loss_coef=COEF, **tiny_run_settings())
+    with pytest.raises(ValueError, match="computes no router load-balancing loss.*router_aux_loss_coef=0.0"):
+        DistillationTrainer(student, build(tokenizer, "mixtral", 0), args=args,
+                            train_dataset=synthetic_prompt_completion(6), processing_class=tokenizer)
+    assert not (tmp_path / "out").exists()
