@@ -4,13 +4,23 @@ a tiny config here, the start-up logits check takes the fused path for both mode
 ``aux`` the student's own forward's router load-balancing loss (`output_router_logits=True`), its gradient reaching
 the router; training logs it as `aux_loss`. A model whose forward computes no such loss is refused with one line."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from trl_distill import DistillationConfig, DistillationTrainer, divergence
-from trl_distill.testing import build_tokenizer, synthetic_prompt_completion, tiny_run_settings
+from trl_distill.testing import (
+    build_tokenizer,
+    launch,
+    read_rank_records,
+    synthetic_prompt_completion,
+    tiny_run_settings,
+)
+
+SCRIPTS = Path(__file__).parents[1] / "scripts"
 
 SMALL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
              num_experts_per_tok=2)
@@ -120,3 +130,43 @@ def test_a_student_whose_forward_computes_no_router_loss_is_refused(tokenizer, t
         DistillationTrainer(student, build(tokenizer, "mixtral", 0), args=args,
                             train_dataset=synthetic_prompt_completion(6), processing_class=tokenizer)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def moe_pair(tmp_path_factory, tokenizer) -> Path:
+    """A Mixtral teacher (hidden 32) and a Mixtral student (hidden 16), 4 experts, top-2, saved as
+    `save_pretrained` writes them (each expert's tensors apart)."""
+    directory = tmp_path_factory.mktemp("moe_pair")
+    for seed, (size, hidden) in enumerate((("teacher", 32), ("student", 16))):
+        build(tokenizer, "mixtral", seed, hidden_size=hidden, intermediate_size=2 * hidden).save_pretrained(
+            directory / size)
+        tokenizer.save_pretrained(directory / size)
+    return directory
+
+
+@pytest.mark.distributed
+def test_a_zero3_moe_teacher_beside_a_zero2_moe_student_with_routing_forced_unequal(moe_pair, tmp_path):
+    """2 processes, a row each: the teacher (ZeRO-3, half of it on each rank) routes every token of a row to the
+    two experts of its parity, so in each of its forwards two experts receive no token on one rank and the other two
+    on the other; nothing hangs (bounded launch), KD and CE equal the 1-process run on the same rows, and the logged
+    router loss is the ranks' mean of the student's own forward's."""
+    launch(SCRIPTS / "moe_worker.py", str(moe_pair), str(tmp_path / "two"), timeout=300)
+    launch(SCRIPTS / "moe_worker.py", str(moe_pair), str(tmp_path / "one"), "single", nproc=1, timeout=300)
+    two, (one,) = read_rank_records(tmp_path / "two"), read_rank_records(tmp_path / "one", ranks=1)
+    for rank in two:
+        assert rank["teacher_share"] == pytest.approx(0.5, abs=0.02)
+        assert rank["expert_tokens"] and all(sorted(c)[:2] == [0, 0] and sum(c) > 0 for c in rank["expert_tokens"])
+        assert all(len(p) == 1 for step in rank["trained"] for p in step["parities"])  # a row: one parity
+    idle = [{e for e, c in enumerate(counts) if c == 0} for counts in (two[0]["expert_tokens"][-1],
+                                                                       two[1]["expert_tokens"][-1])]
+    assert idle[0].isdisjoint(idle[1])  # the last step's forward: rank 0's idle experts are rank 1's busy ones
+    assert len(two[0]["log"]) == len(one["log"]) == 2
+    for step, (logged, alone) in enumerate(zip(two[0]["log"], one["log"], strict=True)):
+        for key in ("kd_loss", "ce_loss"):
+            assert logged[key] == pytest.approx(alone[key], rel=1e-5), (step, key)
+        own = [rank["trained"][step]["own_aux"] for rank in two]
+        assert logged["aux_loss"] == pytest.approx(sum(own) / 2, rel=1e-5)
+        assert alone["aux_loss"] == pytest.approx(one["trained"][step]["own_aux"], rel=1e-5)
+        for record in (logged, alone):
+            mixed = 0.5 * record["kd_loss"] + 0.5 * record["ce_loss"] + COEF * record["aux_loss"]
+            assert record["loss"] == pytest.approx(mixed, rel=1e-4)
