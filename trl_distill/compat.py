@@ -305,3 +305,21 @@ def gloo_group(store, rank: int, world_size: int, timeout_s: float):
 
     return dist.ProcessGroupGloo(dist.PrefixStore("trl_distill_gloo", store), rank, world_size,
                                  timedelta(seconds=timeout_s))
+
+
+def checkpoint_conversions(model_type: str) -> list[tuple[str, list[str], list[str], list[tuple[str, int]]]] | None:
+    """transformers' own renaming of a model type's checkpoint tensors into its parameters, as plain data: one
+    ``(kind, source patterns, target patterns, operations)`` per transform, ``kind`` "rename" or "convert", each
+    operation ``(class name, dim)``; None when the model type has none. Read from
+    `conversion_mapping.get_checkpoint_conversion_mapping` and each transform's `_original_source_patterns` /
+    `_original_target_patterns` / `operations` (transformers 5.24)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    mapping = get_checkpoint_conversion_mapping(model_type)
+    if mapping is None:
+        return None
+    return [("convert" if isinstance(t, WeightConverter) else "rename", list(t._original_source_patterns),
+             list(t._original_target_patterns),
+             [(type(op).__name__, getattr(op, "dim", None)) for op in getattr(t, "operations", [])])
+            for t in mapping]

@@ -146,20 +146,24 @@ def moe_pair(tmp_path_factory, tokenizer) -> Path:
 
 @pytest.mark.distributed
 def test_a_zero3_moe_teacher_beside_a_zero2_moe_student_with_routing_forced_unequal(moe_pair, tmp_path):
-    """2 processes, a row each: the teacher (ZeRO-3, half of it on each rank) routes every token of a row to the
+    """2 processes, a row each: the teacher (ZeRO-3, half of it on each rank, read by each rank from the checkpoint's
+    per-expert tensors) routes every token of a row to the
     two experts of its parity, so in each of its forwards two experts receive no token on one rank and the other two
     on the other; nothing hangs (bounded launch), KD and CE equal the 1-process run on the same rows, and the logged
     router loss is the ranks' mean of the student's own forward's."""
     launch(SCRIPTS / "moe_worker.py", str(moe_pair), str(tmp_path / "two"), timeout=300)
     launch(SCRIPTS / "moe_worker.py", str(moe_pair), str(tmp_path / "one"), "single", nproc=1, timeout=300)
     two, (one,) = read_rank_records(tmp_path / "two"), read_rank_records(tmp_path / "one", ranks=1)
+    stored = (moe_pair / "teacher" / "model.safetensors").stat().st_size
     for rank in two:
         assert rank["teacher_share"] == pytest.approx(0.5, abs=0.02)
+        assert rank["bytes_read"] == pytest.approx(stored / 2, rel=0.05)  # its half of the experts' tensors, read
         assert rank["expert_tokens"] and all(sorted(c)[:2] == [0, 0] and sum(c) > 0 for c in rank["expert_tokens"])
         assert all(len(p) == 1 for step in rank["trained"] for p in step["parities"])  # a row: one parity
     idle = [{e for e, c in enumerate(counts) if c == 0} for counts in (two[0]["expert_tokens"][-1],
                                                                        two[1]["expert_tokens"][-1])]
     assert idle[0].isdisjoint(idle[1])  # the last step's forward: rank 0's idle experts are rank 1's busy ones
+    assert one["bytes_read"] == 0  # (1 process, no DeepSpeed: transformers' own loader)
     assert len(two[0]["log"]) == len(one["log"]) == 2
     for step, (logged, alone) in enumerate(zip(two[0]["log"], one["log"], strict=True)):
         for key in ("kd_loss", "ce_loss"):
@@ -170,3 +174,28 @@ def test_a_zero3_moe_teacher_beside_a_zero2_moe_student_with_routing_forced_uneq
         for record in (logged, alone):
             mixed = 0.5 * record["kd_loss"] + 0.5 * record["ce_loss"] + COEF * record["aux_loss"]
             assert record["loss"] == pytest.approx(mixed, rel=1e-4)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_a_checkpoint_of_experts_apart_lays_out_each_fused_parameter(name, tokenizer, tmp_path):
+    """`save_pretrained` keeps each expert's tensors apart; `expert_layout` names, for each fused parameter, the
+    checkpoint tensors that fill it in order: read so, they equal what transformers' own loader builds."""
+    from safetensors import safe_open
+
+    from trl_distill.teacher.expert_layout import expert_layout
+
+    build(tokenizer, name, 0).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as stored:
+        checkpoint = {k: tuple(stored.get_slice(k).get_shape()) for k in stored.keys()}  # noqa: SIM118
+        assert set(checkpoint) != set(shapes)  # (the experts' tensors are apart)
+        layout = expert_layout(model.config.model_type, shapes, checkpoint)
+        assert layout is not None and set(layout) == set(shapes)
+        for param_name, param in model.named_parameters():
+            flat = torch.cat([stored.get_tensor(k).reshape(-1) for k, _ in layout[param_name]])
+            assert torch.equal(flat, param.detach().reshape(-1)), param_name
+        fused = [n for n in shapes if n.endswith("experts.gate_up_proj")]
+        assert fused and len(layout[fused[0]]) == 2 * 4  # 4 experts, gate and up each
+        del checkpoint[next(k for k in checkpoint if ".experts.3." in k)]
+        assert expert_layout(model.config.model_type, shapes, checkpoint) is None  # a missing expert: not laid out

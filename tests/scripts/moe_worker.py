@@ -2,9 +2,10 @@
 2 processes of one row each; or ``single``: the same two rows per step in 1 process without DeepSpeed. The teacher's
 routing is forced by token id (even ids to experts 0 and 1, odd ids to 2 and 3) and each row holds ids of one parity,
 so in every teacher forward two of its experts receive no token at all (and on the other rank, the other two).
-Learning rate 0: every step sees the same weights. Records into ``<out>/rank<k>.json`` the logged losses, the tokens
-each teacher expert received in each forward, the teacher's share held, and, for each row trained on, its parity and
-the router loss of the student's own forward on it.
+Learning rate 0: every step sees the same weights. The teacher's checkpoint keeps each expert's tensors apart (as
+`save_pretrained` writes Mixtral): each rank reads its partition's bytes of them. Records into ``<out>/rank<k>.json``
+the logged losses, the tokens each teacher expert received in each forward, the teacher's share held, the checkpoint
+bytes this rank read, and, for each row trained on, its parity and the router loss of the student's own forward.
 
     moe_worker.py PAIR OUT [single]
 """
@@ -70,8 +71,23 @@ class RecordingTrainer(DistillationTrainer):
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
+def count_bytes_read() -> list:
+    """Wrap the partitioned loader's reads: the bytes this rank reads of the teacher's checkpoint."""
+    import trl_distill.teacher.zero3_loading as loading
+
+    read, counted = loading._read_into, []
+
+    def counting(*args, **kwargs):
+        counted.append(read(*args, **kwargs))
+        return counted[-1]
+
+    loading._read_into = counting
+    return counted
+
+
 def main():
     pair, out = sys.argv[1:3]
+    bytes_read = count_bytes_read()
     single = len(sys.argv) > 3 and sys.argv[3] == "single"
     tok = AutoTokenizer.from_pretrained(os.path.join(pair, "student"))
     settings = dict(output_dir=out, per_device_train_batch_size=ROWS if single else 1, max_steps=2,
@@ -90,7 +106,7 @@ def main():
     write_rank_record(out, trainer.args.process_index, {
         "rank": trainer.args.process_index, "teacher_share": share, "expert_tokens": routing.counts,
         "log": [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h],
-        "trained": trainer.trained,
+        "trained": trainer.trained, "bytes_read": sum(bytes_read),
     })
 
 

@@ -9,14 +9,16 @@ memory grows by its partitions only (plus a 16 MiB buffer where the file's dtype
 module's whole tensor is still allocated while it is built, but never written, so its pages are never touched.
 
 Used when the teacher is a local directory of safetensors whose tensor names and shapes are exactly the model's
-parameters (the usual `save_pretrained` output); anything else (hub ids, ``.bin``, renamed or converted weights,
-quantization, NVMe offload) goes through `from_pretrained`.
+parameters (the usual `save_pretrained` output), or a Mixture-of-Experts checkpoint whose experts' tensors are stored
+apart and fused by transformers' conversion (`expert_layout`); anything else (hub ids, ``.bin``, otherwise renamed or
+converted weights, quantization, NVMe offload) goes through `from_pretrained`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import struct
 
@@ -25,6 +27,7 @@ import torch
 from ..compat import partitioned_construction, zero3_partition
 from ..errors import ExternalError
 from ..runtime.validation import expected_parameters, missing_tensors_message, unfilled
+from .expert_layout import expert_layout
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +100,19 @@ def _pread_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
         done += n
 
 
+def _read_segments(target: torch.Tensor, segments: list[tuple[str, int]], entries: dict, first: int) -> int:
+    """Fill `target` with elements ``[first, first + target.numel())`` of a tensor laid out as the checkpoint tensors
+    `segments` one after another (`expert_layout`; one segment: the tensor itself). Returns the bytes read."""
+    done, offset, stop = 0, 0, first + target.numel()
+    for name, numel in segments:
+        low, high = max(first, offset), min(stop, offset + numel)
+        if low < high:
+            path, entry, start = entries[name]
+            done += _read_into(target[low - first : high - first], path, entry, start, low - offset)
+        offset += numel
+    return done
+
+
 def _read_flat(path: str, entry: dict, data_start: int, first: int, count: int) -> torch.Tensor:
     """Elements ``[first, first + count)`` of a tensor stored row-major in a safetensors file, as a new tensor."""
     values = torch.empty(count, dtype=_DTYPES[entry["dtype"]])
@@ -145,7 +161,11 @@ def load_partitioned(directory: str, init_kwargs: dict):
     params = dict(model.named_parameters())  # tied weights appear once
     _refuse_missing(directory, model, entries)
     shapes = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in params.items()}
+    layout = {name: [(name, math.prod(shape))] for name, shape in shapes.items()}
     if any(name not in entries or tuple(entries[name][1]["shape"]) != shape for name, shape in shapes.items()):
+        # a Mixture-of-Experts checkpoint with each expert's tensors apart: each fused parameter from them
+        layout = expert_layout(config.model_type, shapes, {k: tuple(e[1]["shape"]) for k, e in entries.items()})
+    if layout is None:
         logger.info("Teacher checkpoint names/shapes differ from the model's parameters: loading with from_pretrained.")
         return None
     if any(zero3_partition(p) is None for p in params.values()):
@@ -153,8 +173,7 @@ def load_partitioned(directory: str, init_kwargs: dict):
     with torch.no_grad():
         for name, param in params.items():
             part, first, count = zero3_partition(param)
-            path, entry, start = entries[name]
-            _read_into(part[:count], path, entry, start, first)  # into the partition itself: no second copy
+            _read_segments(part[:count], layout[name], entries, first)  # into the partition itself: no second copy
             part[count:].zero_()
         buffers = dict(model.named_buffers())
         for name, buffer in buffers.items():  # persistent buffers in the checkpoint (not partitioned by ZeRO-3)
