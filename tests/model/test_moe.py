@@ -45,6 +45,19 @@ MOE = {
     "qwen3_next": dict(num_experts=4, moe_intermediate_size=16, head_dim=8, shared_expert_intermediate_size=16),
 }
 
+MLA = dict(num_key_value_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4)
+# MoE models whose forward computes no router loss (a bias keeps their experts balanced): distilled without one
+NO_ROUTER_LOSS = {
+    "deepseek_v3": dict(n_routed_experts=4, moe_intermediate_size=16, first_k_dense_replace=1, n_group=1, topk_group=1,
+                        **MLA),
+    "deepseek_v2": dict(n_routed_experts=4, moe_intermediate_size=16, first_k_dense_replace=1, n_group=1, topk_group=1,
+                        **MLA),
+    "glm4_moe": dict(n_routed_experts=4, moe_intermediate_size=16, first_k_dense_replace=1, n_group=1, topk_group=1,
+                     head_dim=8, num_key_value_heads=2),
+    "hunyuan_v1_moe": dict(num_experts=4, moe_topk=2, head_dim=8, num_key_value_heads=2),
+    "exaone_moe": dict(num_experts=4, moe_intermediate_size=16, head_dim=8, num_key_value_heads=2),
+}
+
 
 @pytest.fixture(scope="module")
 def tokenizer():
@@ -54,7 +67,8 @@ def tokenizer():
 def build(tokenizer, name: str, seed: int, **overrides):
     ids = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                eos_token_id=tokenizer.eos_token_id)
-    config = AutoConfig.for_model(name, vocab_size=len(tokenizer), **ids, **{**SMALL, **MOE.get(name, {}), **overrides})
+    config = AutoConfig.for_model(name, vocab_size=len(tokenizer), **ids,
+                                  **{**SMALL, **MOE.get(name, {}), **NO_ROUTER_LOSS.get(name, {}), **overrides})
     for key, value in config.to_dict().items():  # deterministic forwards: train mode == eval mode
         if "dropout" in key and isinstance(value, float):
             setattr(config, key, 0.0)
@@ -120,11 +134,34 @@ def test_the_loss_adds_the_students_own_router_loss(name, tokenizer, tmp_path):
     assert logged["loss"] == pytest.approx(0.5 * kd + 0.5 * ce + COEF * aux, rel=1e-5)
 
 
+@pytest.mark.parametrize("name", list(NO_ROUTER_LOSS))
+def test_moe_models_without_a_router_loss_distil_on_the_fused_path(name, tokenizer, tmp_path):
+    """The logits check takes the fused path for both models and the logged KD and CE equal each model's own logits';
+    no router loss is added or logged (the configs declare no coefficient)."""
+    teacher, student = build(tokenizer, name, 0), build(tokenizer, name, 1)
+    data = synthetic_prompt_completion(6, seed=3)
+    args = DistillationConfig(output_dir=str(tmp_path), **tiny_run_settings(
+        max_steps=1, per_device_train_batch_size=len(data), divergence="reverse_kl", alpha=0.5, temperature=2.0))
+    trainer = DistillationTrainer(student, teacher, args=args, train_dataset=data, processing_class=tokenizer)
+    assert not trainer.aux_loss_enabled
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(data))])
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    target = batch["labels"][:, 1:]
+    mask = target != -100
+    with torch.no_grad():
+        s, t = student(**inputs).logits[:, :-1][mask], teacher(**inputs).logits[:, :-1][mask]
+        kd = divergence(s, t, "reverse_kl", temperature=2.0).item() * 4.0
+        ce = F.cross_entropy(s, target[mask]).item()
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert logged["kd_loss"] == pytest.approx(kd, rel=1e-4) and logged["ce_loss"] == pytest.approx(ce, rel=1e-4)
+    assert "aux_loss" not in logged
+    assert {p.name: p.exact for p in trainer.logit_paths} == {"student": False, "teacher": False}
+
+
 def test_a_student_whose_forward_computes_no_router_loss_is_refused(tokenizer, tmp_path):
     """DeepSeek-V3 balances its experts with a bias, not a loss: a coefficient for one is refused, naming the fix."""
-    student = build(tokenizer, "deepseek_v3", 1, n_routed_experts=4, num_key_value_heads=2, moe_intermediate_size=16,
-                    first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
-                    v_head_dim=4, n_group=1, topk_group=1)
+    student = build(tokenizer, "deepseek_v3", 1)
     args = DistillationConfig(output_dir=str(tmp_path / "out"), router_aux_loss_coef=COEF, **tiny_run_settings())
     with pytest.raises(ValueError, match="computes no router load-balancing loss.*router_aux_loss_coef=0.0"):
         DistillationTrainer(student, build(tokenizer, "mixtral", 0), args=args,
