@@ -236,3 +236,39 @@ def test_a_checkpoint_of_experts_apart_lays_out_each_fused_parameter(name, token
         assert fused and len(layout[fused[0]]) == 2 * 4  # 4 experts, gate and up each
         del checkpoint[next(k for k in checkpoint if ".experts.3." in k)]
         assert expert_layout(model.config.model_type, shapes, checkpoint) is None  # a missing expert: not laid out
+
+
+def test_a_lora_student_with_adapters_on_attention_and_experts(tokenizer, tmp_path):
+    """LoRA on the attention projections and on the fused expert tensors (peft's `target_parameters`): the loss is
+    the same sum against the adapted student's own logits and router loss, and the experts' adapters get gradients."""
+    from peft import LoraConfig
+
+    teacher, student = build(tokenizer, "mixtral", 0), build(tokenizer, "mixtral", 1)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM",
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    data = synthetic_prompt_completion(6, seed=3)
+    args = DistillationConfig(output_dir=str(tmp_path), router_aux_loss_coef=COEF, **tiny_run_settings(
+        max_steps=1, per_device_train_batch_size=len(data), divergence="forward_kl", alpha=0.5, temperature=1.0))
+    trainer = DistillationTrainer(student, teacher, args=args, train_dataset=data, processing_class=tokenizer,
+                                  peft_config=lora)
+    torch.manual_seed(5)
+    with torch.no_grad():  # adapters that change the student (lora_B starts at zero)
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.5)
+    batch = trainer.prepared_inputs(trainer.data_collator([trainer.train_dataset[i] for i in range(len(data))]))
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    target = batch["labels"][:, 1:]
+    mask = target != -100
+    trainer.model.eval()
+    with torch.no_grad():
+        own = trainer.model(**inputs, output_router_logits=True, use_cache=False)
+        base = teacher(**inputs, use_cache=False)
+        s, t = own.logits[:, :-1][mask], base.logits[:, :-1][mask]
+        kd, ce = divergence(s, t, "forward_kl").item(), F.cross_entropy(s, target[mask]).item()
+    trainer.prepare_teacher()
+    loss = trainer.compute_loss(trainer.model, dict(batch))
+    assert loss.item() == pytest.approx(0.5 * kd + 0.5 * ce + COEF * own.aux_loss.item(), abs=1e-6)
+    loss.backward()
+    experts = [p.grad for n, p in trainer.model.named_parameters() if "experts" in n and "lora_A" in n]
+    assert experts and all(g is not None and g.abs().sum() > 0 for g in experts)
