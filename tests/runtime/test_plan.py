@@ -75,6 +75,22 @@ def test_public_configs_count_exactly():
     assert plan.load_spec(str(DOC_CONFIGS / "qwen3-0.6b")).tied
 
 
+def test_moe_configs_count_total_and_active_parameters_and_gather_a_layers_experts():
+    """Qwen3-30B-A3B and Qwen3-235B-A22B: totals and active counts as published (30.5B / 3.3B, 235B / 22B), the
+    largest leaf module one layer's experts (3 E i_moe h), and activations through the k routed experts' width."""
+    for name, total, active, (experts, width, hidden) in (
+            ("qwen3-30b-a3b", 30_532_122_624, 3_353_032_704, (128, 768, 2048)),
+            ("qwen3-235b-a22b", 235_093_634_560, 22_190_763_520, (128, 1536, 4096))):
+        spec = plan.load_spec(str(DOC_CONFIGS / name))
+        assert spec.params == total and spec.moe.active_params == active
+        assert spec.moe.expert_params == 3 * experts * width * hidden * spec.layers
+        assert active == total - spec.moe.expert_params + spec.moe.expert_params * 8 // 128
+        assert spec.largest_layer == 3 * experts * width * hidden
+        q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+        assert plan.layer_activations(spec, 10) == 10 * (4 * spec.hidden + 2 * q + 2 * kv + 4 * (8 * width + 32))
+    assert plan.load_spec(str(DOC_CONFIGS / "qwen3-8b")).moe is None  # dense: as before
+
+
 def test_missing_model_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         plan_main(["--student", "/no/such/model", "--teacher", "8B"])

@@ -16,6 +16,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 
 from ..loss.settings import default_chunk_size
+from .plan_moe import MoeShape, activation_intermediate, moe_shape
 
 GIB = 1024**3
 HEADROOM = 0.10  # CUDA context, NCCL/allocator buffers, fragmentation
@@ -61,6 +62,7 @@ class ModelSpec:
     largest_layer: int = 0  # parameters of the largest leaf module: what ZeRO-3 gathers at once
     numels: tuple[int, ...] = ()
     source: str = ""
+    moe: MoeShape | None = None  # a Mixture-of-Experts model: experts, active parameters (`plan_moe`)
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,7 @@ def spec_from_config(path: str) -> ModelSpec:
         kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
         tied=bool(getattr(text, "tie_word_embeddings", False)), largest_layer=largest, numels=numels, source=path,
+        moe=moe_shape(config, model),
     )
 
 
@@ -213,7 +216,8 @@ def layer_activations(spec: ModelSpec, tokens: int) -> int:
     inputs and outputs (4h), q and attention output (2 h_q), k and v (2 h_kv), gate, up, silu(gate), their
     product (4i)."""
     q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
-    return tokens * (4 * spec.hidden + 2 * q + 2 * kv + 4 * spec.intermediate)
+    intermediate = activation_intermediate(spec.intermediate, spec.layers, spec.moe)  # MoE: the routed experts'
+    return int(tokens * (4 * spec.hidden + 2 * q + 2 * kv + 4 * intermediate))
 
 
 def activation_bytes(student: ModelSpec, teacher: ModelSpec | None, s: Settings, step_pass: bool = True) -> int:
@@ -399,7 +403,7 @@ def format_plan(result: dict) -> str:
         f"accumulation {s['gradient_accumulation']}, teacher rows per forward {result['teacher_rows']}"
         + (f", sequence parallel {s['sequence_parallel']} (not TRL's column)" if s["sequence_parallel"] > 1 else ""),
         *(f"{role}: {m['params'] / 1e9:.3f}B params, h={m['hidden']}, L={m['layers']}, V={m['vocab']}, "
-          f"i={m['intermediate']} ({m['source']})" + ("" if "ours" not in m else
+          f"i={m['intermediate']}" + moe_text(m.get("moe")) + f" ({m['source']})" + ("" if "ours" not in m else
           f"; in ours: teacher_params {size(m['ours']['teacher_params'])}, teacher_step "
           f"{size(m['ours']['teacher_step'])} {unit}") for role, m in result["models"].items()),
         "",
@@ -415,6 +419,14 @@ def format_plan(result: dict) -> str:
               "  (teacher_step: the teacher's hidden states at the step's loss tokens and its lm_head, held through "
               "each optimizer step: the teacher runs once per step)", ""]
     return "\n".join(lines + [recommendation_text(result)])
+
+
+def moe_text(moe: dict | None) -> str:
+    """An MoE model's line: experts routed per token and the parameters a token computes with."""
+    if not moe:
+        return ""
+    return (f", MoE {moe['experts']} experts ({moe['experts_per_token']} per token, {moe['moe_layers']} layers), "
+            f"{moe['active_params'] / 1e9:.3f}B active")
 
 
 def recommendation_text(result: dict) -> str:
