@@ -220,6 +220,16 @@ def test_an_earlier_accelerators_deepspeed_plugins_are_seen_and_forgotten():
         AcceleratorState._shared_state.update(saved)
 
 
+def test_checkpoint_conversions_read_transformers_own_mapping():
+    """Mixtral's per-expert tensors: renamed, stacked, gate and up concatenated (what `expert_layout` relies on)."""
+    mixtral = compat.checkpoint_conversions("mixtral")
+    assert ("rename", [".block_sparse_moe."], [".mlp."], []) in mixtral
+    assert ("convert", [".experts.*.w1.weight", ".experts.*.w3.weight"], [".experts.gate_up_proj"],
+            [("MergeModulelist", 0), ("Concatenate", 1)]) in mixtral
+    assert ("convert", [".experts.*.w2.weight"], [".experts.down_proj"], [("MergeModulelist", 0)]) in mixtral
+    assert compat.checkpoint_conversions("llama") is None
+
+
 def test_the_attention_override_and_its_removal():
     """`attention_override`: None while sdpa runs transformers' own; what was registered over it after; an installed
     `ShardedAttention` puts back what it replaced, and leaves no entry where there was none."""

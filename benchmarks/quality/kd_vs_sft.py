@@ -1,7 +1,7 @@
 """Does distillation work? Students trained SFT-only vs distilled from a better teacher, on a real corpus.
 
     make experiment          # 24 CPU-min; 18.5 min wall on 2 cores shared with other jobs (load ~3)
-    python benchmarks/quality/kd_vs_sft.py [--smoke] [--output_dir DIR] [--work_dir DIR]
+    python benchmarks/quality/kd_vs_sft.py [--smoke | --moe] [--output_dir DIR] [--work_dir DIR]
 
 Everything goes through the project's own trainer, from the `trl-distill` CLI (`python -m trl_distill`, one
 process, one thread per run, two runs at a time):
@@ -21,7 +21,9 @@ process, one thread per run, two runs at a time):
    cross-entropy (perplexity), KL(teacher||student) and top-1 agreement with the teacher.
 
 Writes `kd_vs_sft.json`, `kd_vs_sft.md` (the table for the README) and `kd_vs_sft.png` to --output_dir
-(default benchmarks/quality/results); models, checkpoints and CLI logs go to --work_dir.
+(default benchmarks/quality/results); models, checkpoints and CLI logs go to --work_dir. ``--moe``: the students are
+Mixture-of-Experts models (Mixtral: 4 experts of half the dense width, 2 per token, their router's load-balancing loss
+on, ``--router_aux_loss_coef 0.01``), SFT-only vs forward KL, into `kd_vs_sft_moe.*` (about 10 minutes).
 """
 
 from __future__ import annotations
@@ -73,10 +75,17 @@ PLANS = {
     "full": dict(seeds=[1, 2, 3], methods=[m["name"] for m in METHODS], vocab_size=VOCAB_SIZE, max_chars=352,
                  teacher_steps=800, teacher_batch=16, teacher_learning_rate=2e-3, train_pieces=800 * 16,
                  heldout_pieces=128, steps=300, batch=8, eval_every=60, long_methods=["sft"]),
+    "moe": dict(seeds=[1, 2, 3], methods=["sft", "forward_kl/a1.0", "forward_kl/a0.5"], vocab_size=VOCAB_SIZE,
+                max_chars=352, teacher_steps=800, teacher_batch=16, teacher_learning_rate=2e-3, train_pieces=800 * 16,
+                heldout_pieces=128, steps=300, batch=8, eval_every=60, long_methods=["sft"], moe=True),
     "smoke": dict(seeds=[1], methods=["sft", "forward_kl/a0.5"], vocab_size=512, max_chars=352,
                   teacher_steps=4, teacher_batch=4, teacher_learning_rate=2e-3, train_pieces=64, heldout_pieces=8,
                   steps=4, batch=4, eval_every=2, long_methods=["sft", "forward_kl/a0.5"]),
 }
+# The --moe plan's students: Mixtral's MoE MLP in place of Llama's, 4 experts of half the width, 2 routed per token
+# (a token's MLP is as wide as the dense student's), the router's load-balancing loss weighted as below
+MOE_STUDENT = dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
+                   intermediate_size=SIZES["student"]["intermediate_size"] // 2, router_aux_loss_coef=0.01)
 # Shared by every CLI run (teacher, reference and students)
 TRAINING = dict(learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=20, temperature=1.0, max_length=MAX_LENGTH)
 _LOCK = threading.Lock()
@@ -98,12 +107,27 @@ def prepare(work: Path, plan: dict, train_texts: list[str]) -> dict[str, Path]:
                                                **SIZES["teacher"])}
     for seed in plan["seeds"]:
         paths[f"student_init_{seed}"] = work / "init" / f"student_seed{seed}"
-        models[f"student_init_{seed}"] = build_tiny_model(
+        models[f"student_init_{seed}"] = (moe_student if plan.get("moe") else build_tiny_model)(
             tokenizer, "student", seed=seed, max_position_embeddings=MAX_LENGTH, **SIZES["student"])
     for key, model in models.items():
         model.save_pretrained(paths[key])
         tokenizer.save_pretrained(paths[key])
     return paths
+
+
+def moe_student(tokenizer, size: str, seed: int, **dims):
+    """The dense student's shape with a Mixtral MoE MLP (`MOE_STUDENT`), seeded."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trl_distill.testing import tiny_llama_config
+
+    dense = tiny_llama_config(tokenizer, size, **dims).to_dict()
+    shape = {k: dense[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                   "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings",
+                                   "pad_token_id", "bos_token_id", "eos_token_id")}
+    config = AutoConfig.for_model(**{**shape, **MOE_STUDENT})
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def n_params(path: Path) -> int:
@@ -178,17 +202,20 @@ def curve(out: Path, init: Path, heldout: SimpleNamespace) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="KD vs SFT-only students on the Python standard library's source")
     parser.add_argument("--smoke", action="store_true", help="a few steps, 1 seed, 2 methods (well under a minute)")
+    parser.add_argument("--moe", action="store_true", help="Mixture-of-Experts students (kd_vs_sft_moe.*)")
     parser.add_argument("--output_dir", default=str(HERE / "results"), help="where kd_vs_sft.{json,md,png} go")
     parser.add_argument("--work_dir", default=None, help="models, checkpoints, CLI logs (default outputs/kd_vs_sft)")
     parser.add_argument("--jobs", type=int, default=2, help="CLI runs at a time, one thread each")
     parser.add_argument("--report_only", action="store_true",
                         help="write the md, png and README table again from output_dir/kd_vs_sft.json")
     args = parser.parse_args(argv)
-    plan = PLANS["smoke" if args.smoke else "full"]
+    plan = PLANS["smoke" if args.smoke else "moe" if args.moe else "full"]
+    name = "kd_vs_sft_moe" if args.moe else "kd_vs_sft"
     out = Path(args.output_dir).resolve()
+    readme = not (args.smoke or args.moe)  # the README's table is the dense students'
     if args.report_only:
-        return write_report(json.loads((out / "kd_vs_sft.json").read_text()), out, readme=not args.smoke)
-    work = Path(args.work_dir or ROOT / "outputs" / ("kd_vs_sft_smoke" if args.smoke else "kd_vs_sft")).resolve()
+        return write_report(json.loads((out / f"{name}.json").read_text()), out, readme=readme, name=name)
+    work = Path(args.work_dir or ROOT / "outputs" / ("kd_vs_sft_smoke" if args.smoke else name)).resolve()
     torch.set_num_threads(1)
     import datasets
     import transformers
@@ -214,17 +241,17 @@ def main(argv: list[str] | None = None) -> None:
               "teacher_budget": {"runs": long_runs, "summary": summarize(long_runs, plan["long_methods"])},
               "wall_seconds": time.time() - _START, "machine": machine()}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "kd_vs_sft.json").write_text(json.dumps(report, indent=2) + "\n")
-    write_report(report, out, readme=not args.smoke)
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_report(report, out, readme=readme, name=name)
 
 
-def write_report(report: dict, out: Path, readme: bool) -> None:
-    """kd_vs_sft.md and kd_vs_sft.png in `out` and, for the full experiment, the README's table."""
-    (out / "kd_vs_sft.md").write_text(markdown(report))
-    plot(report, out / "kd_vs_sft.png")
+def write_report(report: dict, out: Path, readme: bool, name: str = "kd_vs_sft") -> None:
+    """`name`.md and `name`.png in `out` and, for the full experiment, the README's table."""
+    (out / f"{name}.md").write_text(markdown(report))
+    plot(report, out / f"{name}.png")
     if readme:
         update_readme(report, ROOT / "docs" / "benchmarks.md")
-    say(f"wrote {out}/kd_vs_sft.{{json,md,png}}{' and the README table' if readme else ''}\n\n{markdown(report)}")
+    say(f"wrote {out}/{name}.{{json,md,png}}{' and the README table' if readme else ''}\n\n{markdown(report)}")
 
 
 def experiment(plan: dict, work: Path, paths: dict, texts: list[str], jobs: int) -> tuple[list, list, dict]:
@@ -259,8 +286,9 @@ def experiment(plan: dict, work: Path, paths: dict, texts: list[str], jobs: int)
         if method["alpha"] > 0:
             heldout_ready.result()  # wait for the trained teacher
             teacher = teacher_dir
+        extra = {"router_aux_loss_coef": MOE_STUDENT["router_aux_loss_coef"]} if plan.get("moe") else None
         seconds = cli(init, teacher, run_dir, data=data, seed=seed, alpha=method["alpha"],
-                      divergence=method["divergence"], **budget)
+                      divergence=method["divergence"], extra=extra, **budget)
         say(f"{group} {method['name']} seed {seed}: trained in {seconds:.0f} s")
         return {"method": method["name"], "divergence": method["divergence"], "alpha": method["alpha"], "seed": seed,
                 "init_seed": init_seed, "seconds": seconds, "dir": run_dir, "init": init}
@@ -298,7 +326,8 @@ def tokens(model_dir: Path, texts: list[str]) -> int:
 
 def settings(plan: dict, paths: dict, corpus: dict) -> dict:
     return {**plan, "methods": [m for m in METHODS if m["name"] in plan["methods"]], "training": TRAINING,
-            "sizes": SIZES, "student_params": n_params(paths[f"student_init_{plan['seeds'][0]}"]), "corpus": corpus}
+            "sizes": {**SIZES, "student": {**SIZES["student"], **(MOE_STUDENT if plan.get("moe") else {})}},
+            "student_params": n_params(paths[f"student_init_{plan['seeds'][0]}"]), "corpus": corpus}
 
 
 def machine() -> dict:
