@@ -123,6 +123,7 @@ experiment-multi: setup
 experiment: setup vllm-env
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality/kd_vs_sft.py
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality/kd_vs_sft.py --moe
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality/on_policy_kd.py
 
 # On-policy (GKD) students vs off-policy and SFT-only ones, judged by held-out pass@1 on a verifiable task (2-digit

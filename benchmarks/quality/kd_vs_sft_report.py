@@ -92,6 +92,15 @@ def findings(report: dict) -> list[str]:
     return lines
 
 
+def student_kind(student: dict) -> str:
+    """"" for the dense (Llama) students; the Mixture-of-Experts students' routing and router loss."""
+    if "model_type" not in student:
+        return ""
+    return (f"Mixture-of-Experts ({student['model_type']}: {student['num_local_experts']} experts of width "
+            f"{student['intermediate_size']}, {student['num_experts_per_tok']} per token, router loss "
+            f"`--router_aux_loss_coef {student['router_aux_loss_coef']:g}`), ")
+
+
 def markdown(report: dict) -> str:
     s = report["settings"]
     t, sizes, c = s["training"], s["sizes"], s["corpus"]
@@ -110,7 +119,7 @@ def markdown(report: dict) -> str:
         f"Teacher: Llama, hidden {sizes['teacher']['hidden_size']} × {sizes['teacher']['num_hidden_layers']} layers, "
         f"{report['teacher']['params'] / 1e6:.2f}M parameters, {s['teacher_steps']} steps × batch "
         f"{s['teacher_batch']} of cross-entropy (`--alpha 0`, learning rate {s['teacher_learning_rate']:g}), one pass "
-        f"over the train pieces. Students: hidden {sizes['student']['hidden_size']} × "
+        f"over the train pieces. Students: {student_kind(sizes['student'])}hidden {sizes['student']['hidden_size']} × "
         f"{sizes['student']['num_hidden_layers']} layers, {s['student_params'] / 1e6:.2f}M parameters, "
         f"{s['steps']} steps × batch {s['batch']}, learning rate {t['learning_rate']:g} ({t['lr_scheduler_type']}, "
         f"{t['warmup_steps']} warm-up steps), temperature {t['temperature']:g}, seeds {s['seeds']} (a seed fixes "
@@ -125,11 +134,12 @@ def markdown(report: dict) -> str:
               f"initial student of seed {s['seeds'][0]}, one data order): the SFT-only row is the student size "
               "trained alone like the teacher (at the students' learning rate).", "", *table(long)] if long else []
     machine = report["machine"]
+    name = "kd_vs_sft_moe" if "model_type" in sizes["student"] else "kd_vs_sft"
     tail = ["", *findings(report), "",
             f"Whole experiment: {report['wall_seconds'] / 60:.1f} min wall, {machine['cpu_seconds'] / 60:.1f} CPU-min, "
             f"on {machine['cpus']} × {machine['cpu']} (torch {machine['torch']}, {machine['date']}; load average "
-            f"{machine['load_average'][2]:.1f} over the last 15 min). Curves: `kd_vs_sft.png`; every run: "
-            "`kd_vs_sft.json`.",
+            f"{machine['load_average'][2]:.1f} over the last 15 min). Curves: `{name}.png`; every run: "
+            f"`{name}.json`.",
             ""]
     return "\n".join(head + table(report["summary"]) + middle + tail)
 
