@@ -272,3 +272,39 @@ def test_a_lora_student_with_adapters_on_attention_and_experts(tokenizer, tmp_pa
     loss.backward()
     experts = [p.grad for n, p in trainer.model.named_parameters() if "experts" in n and "lora_A" in n]
     assert experts and all(g is not None and g.abs().sum() > 0 for g in experts)
+
+
+@pytest.mark.parametrize("kind", ["cache", "served", "cross-tokenizer"])
+def test_the_router_loss_joins_the_loss_whatever_the_teacher(kind, tokenizer, tmp_path, request):
+    """The router loss comes from the student's forward alone: with a teacher cache, a served teacher (a real vLLM
+    server) or a teacher of another tokenizer, the loss with it minus the loss without it is `coef * aux` of the
+    student's own forward, on the same batch."""
+    from oracles import write_teacher_cache
+
+    student = build(tokenizer, "mixtral", 1)
+    settings = dict(router_aux_loss_coef=COEF, **tiny_run_settings(max_steps=1, per_device_train_batch_size=4,
+                                                                   alpha=0.5, temperature=1.0, max_length=64))
+    data = synthetic_prompt_completion(4, seed=3)
+    if kind == "cache":
+        writer = DistillationTrainer(student, build(tokenizer, "mixtral", 0), train_dataset=data,
+                                     processing_class=tokenizer,
+                                     args=DistillationConfig(output_dir=str(tmp_path / "writer"), **settings))
+        write_teacher_cache(writer, str(tmp_path / "cache"), top_k=8, log_prob_dtype="float32")
+        teacher = dict(teacher_cache=str(tmp_path / "cache"))
+    elif kind == "served":
+        teacher = dict(teacher_server=request.getfixturevalue("served")["url"], teacher_server_top_k=8)
+    else:
+        teacher = dict(teacher_model_name_or_path=request.getfixturevalue("other_teacher"))
+    args = DistillationConfig(output_dir=str(tmp_path / "run"), **teacher, **settings)
+    trainer = DistillationTrainer(student, args=args, train_dataset=data, processing_class=tokenizer)
+    assert trainer.aux_loss_enabled
+    batch = trainer.prepared_inputs(trainer.data_collator([trainer.train_dataset[i] for i in range(len(data))]))
+    trainer.prepare_teacher()
+    trainer.model.eval()
+    with torch.no_grad():
+        with_aux = trainer.compute_loss(trainer.model, dict(batch)).item()
+        trainer.router_aux_loss_coef = 0.0
+        without = trainer.compute_loss(trainer.model, dict(batch)).item()
+        own = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                      output_router_logits=True, use_cache=False).aux_loss.item()
+    assert own > 0 and with_aux - without == pytest.approx(COEF * own, abs=1e-6)
