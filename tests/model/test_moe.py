@@ -308,3 +308,17 @@ def test_the_router_loss_joins_the_loss_whatever_the_teacher(kind, tokenizer, tm
         own = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                       output_router_logits=True, use_cache=False).aux_loss.item()
     assert own > 0 and with_aux - without == pytest.approx(COEF * own, abs=1e-6)
+
+
+def test_on_policy_the_router_loss_is_taken_on_the_students_own_samples(tokenizer, tmp_path):
+    """lmbda=1: every batch is the student's own completions (HF generate); the router loss is logged and the loss
+    is still ``alpha * KD + (1 - alpha) * CE + coef * aux`` of what the step logged."""
+    args = DistillationConfig(output_dir=str(tmp_path), router_aux_loss_coef=COEF, lmbda=1.0, max_new_tokens=6,
+                              **tiny_run_settings(max_steps=2, per_device_train_batch_size=2, alpha=0.5))
+    trainer = DistillationTrainer(build(tokenizer, "mixtral", 1), build(tokenizer, "mixtral", 0), args=args,
+                                  train_dataset=synthetic_prompt_completion(4, seed=3), processing_class=tokenizer)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "kd_loss" in h]
+    assert len(logs) == 2 and all(h["on_policy_fraction"] == 1.0 and h["aux_loss"] > 0 for h in logs)
+    for h in logs:
+        assert h["loss"] == pytest.approx(0.5 * h["kd_loss"] + 0.5 * h["ce_loss"] + COEF * h["aux_loss"], rel=1e-5)

@@ -142,10 +142,13 @@ def sample_completions(model, batch: dict, generation_kwargs: dict, pad_id: int,
     ids, mask = left_pad(prompts, pad_id)
     was_training = model.training
     model.eval()
+    # An MoE model whose config asks for its router logits (a student with its router loss on) would compute its
+    # load-balancing loss at every decoding step, over the cache's attention mask: not while sampling
+    routed = {"output_router_logits": False} if hasattr(model.config.get_text_config(), "output_router_logits") else {}
     try:
         with context():
             out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=pad_id, synced_gpus=synced_gpus,
-                                 **generation_kwargs)
+                                 **routed, **generation_kwargs)
     finally:
         model.train(was_training)
     completions = trim_after_eos(out[:, ids.shape[1] :], eos_ids)
