@@ -322,3 +322,18 @@ def test_on_policy_the_router_loss_is_taken_on_the_students_own_samples(tokenize
     assert len(logs) == 2 and all(h["on_policy_fraction"] == 1.0 and h["aux_loss"] > 0 for h in logs)
     for h in logs:
         assert h["loss"] == pytest.approx(0.5 * h["kd_loss"] + 0.5 * h["ce_loss"] + COEF * h["aux_loss"], rel=1e-5)
+
+
+def test_the_router_loss_under_sequence_parallelism_is_refused(tokenizer):
+    """Each rank would balance its own shard of the positions: one line naming both fixes (a student whose forward
+    computes a router loss, or not, is judged first)."""
+    from types import SimpleNamespace
+
+    from trl_distill.runtime.validation import check_router_aux_loss
+
+    split = SimpleNamespace(parallelism_config=SimpleNamespace(sp_size=2))
+    student = build(tokenizer, "mixtral", 1)
+    with pytest.raises(ValueError, match="under sequence parallelism is not supported.*router_aux_loss_coef=0.0"):
+        check_router_aux_loss(student, True, split)
+    check_router_aux_loss(student, False, split)  # the router loss off: nothing to refuse
+    check_router_aux_loss(student, True, SimpleNamespace(parallelism_config=SimpleNamespace(sp_size=1)))
