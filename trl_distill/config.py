@@ -140,7 +140,7 @@ class DistillationConfig(ReliabilityFields, GenerationEvalFields, GuardFields, S
         teacher_weights (`list[float]`, *optional*):
             The teachers' weights for mixture / sum, in the order of `teachers` (default: equal).
         teacher_column (`str`, *optional*, defaults to `"teacher"`):
-            The dataset column naming each row's teacher (route).
+            The dataset column naming each row's teacher (route); without it, `teacher_id` (TRL's name).
 
         > Long rows
 

@@ -56,6 +56,7 @@ def test_recipe_parses_with_command_line_overrides():
         ("lora_student.yaml", {"divergence": "forward_kl", "alpha": 0.5, "use_peft": True, "lora_r": 16}),
         ("reverse_kl_chat.yaml", {"divergence": "reverse_kl", "temperature": 2.0, "alpha": 0.7}),
         ("two_teachers.yaml", {"teacher_combine": "route", "teacher_column": "teacher", "alpha": 0.5}),
+        ("two_teachers_on_policy.yaml", {"teacher_combine": "route", "lmbda": 1.0, "divergence": "reverse_kl"}),
     ],
 )
 def test_every_recipe_parses(recipe, expected):
@@ -74,5 +75,6 @@ def test_every_recipe_parses(recipe, expected):
 
 
 def test_every_shipped_recipe_is_tested():
-    tested = {"quickstart.yaml", "lora_student.yaml", "reverse_kl_chat.yaml", "two_teachers.yaml"}
+    tested = {"quickstart.yaml", "lora_student.yaml", "reverse_kl_chat.yaml", "two_teachers.yaml",
+              "two_teachers_on_policy.yaml"}
     assert {p.name for p in (CONFIGS / "recipes").glob("*.yaml")} == tested

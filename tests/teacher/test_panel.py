@@ -10,9 +10,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 from oracles import write_teacher_cache
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from panel_common import (
+    KEYS,
+    assert_same_losses,
+    dataset,
+    formula,
+    full_logits,
+    trained,
+    trainer_for,
+)
+from transformers import AutoModelForCausalLM
 
-from trl_distill import DistillationConfig, DistillationTrainer
+from trl_distill import DistillationConfig
 from trl_distill.cli import main as cli_main
 from trl_distill.cli.plan import main as plan_main
 from trl_distill.data.batch import loss_tokens
@@ -24,47 +33,9 @@ from trl_distill.testing import (
     logged,
     read_rank_records,
     synthetic_prompt_completion,
-    tiny_run_settings,
 )
 
 WORKER = Path(__file__).parents[1] / "scripts" / "panel_worker.py"
-KEYS = ("loss", "kd_loss", "ce_loss")
-
-
-@pytest.fixture(scope="module")
-def second_teacher(tiny_pair, tmp_path_factory) -> str:
-    """Another teacher of the same shape and tokenizer (other weights)."""
-    path = tmp_path_factory.mktemp("teacher_b") / "teacher_b"
-    tok = AutoTokenizer.from_pretrained(tiny_pair["tokenizer"])
-    build_tiny_model(tok, "teacher", seed=7).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
-
-
-def dataset(names=None, rows=32):
-    data = synthetic_prompt_completion(rows)
-    return data if names is None else data.add_column("teacher", [names[i % len(names)] for i in range(rows)])
-
-
-def trainer_for(tiny_pair, tmp_path, data, teacher=None, **overrides) -> DistillationTrainer:
-    settings = tiny_run_settings(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3,
-                                 save_strategy="no", use_cpu=True, kd_temperature_scaling=False)
-    settings.update(overrides)
-    return DistillationTrainer(tiny_pair["student"], teacher, args=DistillationConfig(**settings), train_dataset=data,
-                               processing_class=AutoTokenizer.from_pretrained(tiny_pair["tokenizer"]))
-
-
-def trained(trainer) -> list[dict]:
-    trainer.train()
-    return trainer.state.log_history
-
-
-def assert_same_losses(got: list[dict], want: list[dict], rel: float = 1e-6) -> None:
-    for key in KEYS:
-        a, b = logged(got, key), logged(want, key)
-        assert sorted(a) == sorted(b) and len(a) == 3, key
-        for step in b:
-            assert a[step] == pytest.approx(b[step], rel=rel), (key, step)
 
 
 @pytest.fixture(scope="module")
@@ -90,31 +61,6 @@ def test_rows_routed_to_one_teacher_learn_from_it_alone(tiny_pair, second_teache
     assert_same_losses(history, alone)
     assert set(logged(history, "kd_loss/b").values()) == {0.0}
     assert set(logged(history, "teacher_tokens/b").values()) == {0.0}
-
-
-def full_logits(model, batch):
-    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
-    return model(**inputs).logits[:, :-1].double()  # position t predicts target t
-
-
-def formula(trainer, batch, teachers, divergence="forward_kl"):
-    """The KD of `batch` from the models' own logits: per loss token, its teacher's divergence (routed), the one
-    against the mixture, or the weighted sum; summed over loss tokens / their count."""
-    args, temperature = trainer.args, trainer.args.temperature
-    _, mask = loss_tokens(batch)
-    s_logp = F.log_softmax(full_logits(trainer.model, batch) / temperature, -1)[mask]
-    t_logps = [F.log_softmax(full_logits(t, batch) / temperature, -1)[mask] for t in teachers]
-    fn = lambda s, t: DIVERGENCES[divergence](s, t, args.beta, args.skew_alpha)  # noqa: E731
-    if args.teacher_combine == "route":
-        per_row = batch[ROUTE][:, None].expand_as(mask)[mask]
-        per_token = torch.stack([fn(s_logp, t) for t in t_logps])  # [teachers, n]
-        parts = [per_token[i][per_row == i].sum() / mask.sum() for i in range(len(teachers))]
-        return sum(parts), parts
-    if args.teacher_combine == "mixture":
-        mixed = torch.log(sum(w * t.exp() for w, t in zip(args.teacher_weights, t_logps)))
-        return fn(s_logp, mixed).sum() / mask.sum(), None
-    parts = [w * fn(s_logp, t).sum() / mask.sum() for w, t in zip(args.teacher_weights, t_logps)]
-    return sum(parts), parts
 
 
 @pytest.mark.parametrize("combine, weights, divergence", [
@@ -240,7 +186,7 @@ def test_two_zero3_teachers_on_two_processes(tiny_pair, second_teacher, tmp_path
     (dict(teacher_combine="sum", teacher_weights=[1.0, 2.0]), "teacher_weights has 2 weights for 3 teachers"),
     (dict(teacher_weights=[0.5, 0.25, 0.25]), "routing takes each row's teacher from the routing column"),
     (dict(teacher_combine="mixture"), "and ['c'] give their top-k only"),
-    (dict(lmbda=0.5), "on-policy and sequence-level distillation take one teacher"),
+    (dict(lmbda=0.5), "and the teachers ['c'] are caches of the dataset's completions only"),
     (dict(teacher_model_name_or_path="x"), "not both"),
 ])
 def test_bad_settings_are_one_line_as_the_config_is_built(tmp_path, overrides, message):

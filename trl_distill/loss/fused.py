@@ -163,6 +163,9 @@ def features_loss(student: LossFeatures, *, teacher, target: Tensor, mask: Tenso
         signal = teacher.signal(rows, len(labels), settings)
         if signal.order is not None:  # routed: the rows teacher by teacher (`loss.combined`)
             rows, labels = rows.index_select(0, signal.order), labels.index_select(0, signal.order)
+            if correction is not None:  # the engine's log-probs, in the same order
+                correction.engine = correction.engine.index_select(0, signal.order.to(correction.engine.device))
+                correction.gap = torch.zeros_like(correction.engine, dtype=torch.float32)
         kd, ce = fused_loss(s_flat, student.head, signal, settings, rows, labels, num_items_in_batch, correction,
                             diagnostics)
     return kd, ce, student.aux_loss

@@ -62,6 +62,9 @@ class TeacherSource(ABC):
     """What was filled into its DeepSpeed config (printed as training starts)."""
     context: RunContext | None = None
     """The run it is attached to (`attach`); None before, and for a teacher prepared on its own."""
+    routes_own_rows: bool = False
+    """Several teachers routed: whether it runs on its own rows only (`before_step` and `for_batch` get those rows;
+    a model run here), or hands a signal over every row, of which the loss picks its own (a cache, a server)."""
 
     # ---- Before the data is prepared ----
 

@@ -47,6 +47,7 @@ class CrossTokenizerTeacher(LiveTeacher):
     columns = COLUMNS
     refused = {"packing": _REFUSAL.format("packing / padding_free")}
     batch_key = _BATCH  # what its collator adds to a batch
+    routes_own_rows = False  # its own ids come with the whole batch (routed, the loss picks its rows)
 
     def __init__(self, source, init_kwargs: dict | None, student_tokenizer, teacher_tokenizer, args):
         super().__init__(source, init_kwargs)

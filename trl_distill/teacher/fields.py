@@ -136,5 +136,6 @@ class SeveralTeachersFields:
                                 "(default: equal)."}
     )
     teacher_column: str = field(
-        default="teacher", metadata={"help": "The dataset column naming each row's teacher (teacher_combine=route)."}
+        default="teacher", metadata={"help": "The dataset column naming each row's teacher (teacher_combine=route); "
+                                     "a dataset without it may name them in `teacher_id` (TRL's name)."}
     )

@@ -72,6 +72,7 @@ class LiveTeacher(TeacherSource):
     """What the logit-path check calls it."""
     deepspeed_config = None
     """Its own DeepSpeed config (path, JSON string or dict); None: `args.teacher_deepspeed`, else derived."""
+    routes_own_rows = True  # routed among several: its forward runs on its own rows only
 
     def __init__(self, source: str | os.PathLike | PreTrainedModel, init_kwargs: dict | None = None, tokenizer=None):
         if isinstance(source, os.PathLike):

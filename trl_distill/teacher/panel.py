@@ -23,6 +23,8 @@ from .live import LiveTeacher
 from .served import ServedTeacher
 
 ROUTE = "teacher_route"  # the prepared column and the batch key: each row's teacher, by its index in the panel
+DEFAULT_COLUMN, TRL_COLUMN = "teacher", "teacher_id"  # the routing column's default name, and TRL's name for it
+LABEL_KEYS = ("labels", "shift_labels")
 
 
 class TeacherPanel(TeacherSource):
@@ -31,8 +33,6 @@ class TeacherPanel(TeacherSource):
 
     cache_refusal = ("`trl-distill cache-teacher` writes one teacher's cache: run it once per teacher, with that "
                      "teacher's --teacher_model_name_or_path or --teacher_server.")
-
-    scores_samples = False  # several teachers distil on the dataset's completions only (`specs.check_teachers`)
 
     def __init__(self, members: dict[str, TeacherSource], combine: str = "route", weights: list[float] | None = None,
                  column: str = "teacher"):
@@ -50,6 +50,19 @@ class TeacherPanel(TeacherSource):
     @property
     def routed(self) -> bool:
         return self.combine == "route"
+
+    @property
+    def scores_samples(self) -> bool:
+        """Whether every teacher can score rows the student sampled (on-policy; a cache cannot)."""
+        return all(member.scores_samples for member in self.members.values())
+
+    def column_of(self, dataset) -> str:
+        """The routing column of `dataset`: `column`, else TRL's ``teacher_id`` when `column` is left at its default
+        and the dataset has that one instead."""
+        names = getattr(dataset, "column_names", None) or []
+        if self.column not in names and self.column == DEFAULT_COLUMN and TRL_COLUMN in names:
+            return TRL_COLUMN
+        return self.column
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -114,16 +127,17 @@ class TeacherPanel(TeacherSource):
     def _check_split(self, dataset, split: str) -> None:
         if not self.routed or dataset is None or not hasattr(dataset, "column_names"):
             return
-        if self.column not in dataset.column_names:
+        column = self.column_of(dataset)
+        if column not in dataset.column_names:
             if len(self.members) > 1:
                 raise ValueError(f"Routing rows to the teachers {self.names} needs the {split} dataset's column "
                                  f"{self.column!r} naming each row's teacher (--teacher_column), and the dataset has "
                                  f"{dataset.column_names}. Add it, or mix the teachers (--teacher_combine sum).")
             return
         known = set(self.names)
-        for i, value in enumerate(dataset[self.column]):
+        for i, value in enumerate(dataset[column]):
             if value not in (None, "") and value not in known:
-                raise ValueError(f"Row {i} of the {split} dataset names the teacher {value!r} in {self.column!r}; the "
+                raise ValueError(f"Row {i} of the {split} dataset names the teacher {value!r} in {column!r}; the "
                                  f"teachers are {self.names} (a row naming none learns from {self.names[0]!r}).")
 
     def prepare_dataset(self, dataset, name: str):
@@ -132,7 +146,8 @@ class TeacherPanel(TeacherSource):
         if not self.routed or not hasattr(dataset, "add_column"):
             return dataset
         index = {teacher: i for i, teacher in enumerate(self.names)}
-        values = dataset[self.column] if self.column in dataset.column_names else [None] * len(dataset)
+        column = self.column_of(dataset)
+        values = dataset[column] if column in dataset.column_names else [None] * len(dataset)
         return dataset.add_column(ROUTE, [index.get(v, 0) if v not in (None, "") else 0 for v in values])
 
     def vocab_config(self, student_config):
@@ -179,8 +194,18 @@ class TeacherPanel(TeacherSource):
         # Each live teacher's once-per-step pass sees the model inputs only (not the others' signals, not the route)
         own = {ROUTE, *(getattr(m, key, None) for m in self.members.values() for key in ("signal_key", "batch_key"))}
         plain = [{k: v for k, v in batch.items() if k not in own} for batch in batch_samples]
-        for member in self.members.values():
-            member.before_step(plain)
+        for i, member in enumerate(self.members.values()):
+            if self.routed and member.routes_own_rows:  # routed: a live teacher runs on its own rows only
+                member.before_step([own_rows(batch, self._route(full) == i)
+                                    for batch, full in zip(plain, batch_samples, strict=True)])
+            else:
+                member.before_step(plain)
+
+    @staticmethod
+    def _route(batch: dict) -> torch.Tensor:
+        """A batch's rows' teacher indices (every row the first teacher's when no column routes them)."""
+        route = batch.get(ROUTE)
+        return route if route is not None else torch.zeros(len(batch["input_ids"]), dtype=torch.long)
 
     def _settle_logit_paths(self, batch: dict) -> None:
         run = self.context
@@ -196,11 +221,26 @@ class TeacherPanel(TeacherSource):
 
     def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> PanelBatch:
         route, own = extras
-        batches = [member.for_batch(model_inputs, e, mask, keep) for member, e in zip(self.members.values(), own,
-                                                                                        strict=True)]
         if self.routed and route is None:  # one teacher listed and no column: every row is the first teacher's
             route = torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
-        return PanelBatch(self, batches, route, mask)
+        batches, masks = [], []
+        for i, (member, e) in enumerate(zip(self.members.values(), own, strict=True)):
+            if self.routed and member.routes_own_rows:  # its forward on its own rows only (an idle row if none)
+                picked = route.to(mask.device) == i
+                masks.append(mask[picked] if picked.any() else mask[:1] & False)
+                batches.append(member.for_batch(own_rows(model_inputs, picked), e, masks[-1], keep))
+            else:  # its signal over every row, of which the routed loss picks its own
+                masks.append(None)
+                batches.append(member.for_batch(model_inputs, e, mask, keep))
+        return PanelBatch(self, batches, route, mask, masks)
+
+    def score_sampled(self, batch: dict, source: dict | None = None) -> None:
+        """The student's samples (`batch`) of the prompts of `source`: each row keeps its teacher; each teacher adds
+        what it scores them with (a server its top-k, a teacher of another tokenizer its own ids)."""
+        if self.routed and source is not None and ROUTE in source:
+            batch[ROUTE] = source[ROUTE].to(batch["input_ids"].device)
+        for member in self.members.values():
+            member.score_sampled(batch, source)
 
     def after_loss(self) -> None:
         for member in self.members.values():
@@ -232,8 +272,10 @@ class TeacherPanel(TeacherSource):
 class PanelBatch(TeacherBatch):
     """The panel's teachers over one micro-batch: each member's own batch, combined into one signal."""
 
-    def __init__(self, panel: TeacherPanel, batches: list, route: torch.Tensor | None, mask: torch.Tensor):
+    def __init__(self, panel: TeacherPanel, batches: list, route: torch.Tensor | None, mask: torch.Tensor,
+                 masks: list[torch.Tensor | None]):
         self.panel, self.batches, self.route, self.mask = panel, batches, route, mask
+        self.masks = masks  # a teacher run on its own rows: their loss tokens; None: it covers every row
 
     @property
     def heads(self) -> tuple:
@@ -244,8 +286,13 @@ class PanelBatch(TeacherBatch):
         if panel.routed:
             per_row = self.route.to(self.mask.device)[:, None].expand_as(self.mask)[self.mask]  # the loss rows' order
             order, bounds = routed_order(per_row, len(self.batches))
-            signals = [batch.signal(rows, n, settings, picks=order[bounds[i]:bounds[i + 1]])
-                       for i, batch in enumerate(self.batches)]
+            signals = []
+            for i, (batch, own) in enumerate(zip(self.batches, self.masks, strict=True)):
+                if own is None:  # over every row: its own are picked
+                    signals.append(batch.signal(rows, n, settings, picks=order[bounds[i]:bounds[i + 1]]))
+                else:  # over its own rows, in the loss's order (the stable order keeps the rows' own)
+                    signals.append(batch.signal(own.reshape(-1).nonzero().squeeze(1), bounds[i + 1] - bounds[i],
+                                                settings))
             panel.last = RoutedSignal(signals, order, bounds)
         else:
             signals = [batch.signal(rows, n, settings) for batch in self.batches]
@@ -265,3 +312,21 @@ class RouteCollator:
         batch = self.collator([{k: v for k, v in example.items() if k != ROUTE} for example in examples])
         batch[ROUTE] = route
         return batch
+
+
+def own_rows(batch: dict, picked: torch.Tensor) -> dict:
+    """The rows of `batch` that `picked` ``[B]`` selects (each tensor whose first dimension is B); with none picked,
+    its first row with no loss token: an idle row (a partitioned teacher's forwards are collective, so it still runs
+    one)."""
+    rows = len(picked)
+
+    def per_row(value) -> bool:
+        return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows
+
+    if bool(picked.any()):
+        return {k: v[picked.to(v.device)] if per_row(v) else v for k, v in batch.items()}
+    idle = {k: v[:1].clone() if per_row(v) else v for k, v in batch.items()}
+    for key in LABEL_KEYS:
+        if key in idle:
+            idle[key].fill_(-100)
+    return idle

@@ -123,9 +123,15 @@ def check_teachers(args) -> None:
             raise ValueError(f"teacher_combine='mixture' mixes the teachers' whole distributions, and {sparse} give "
                              "their top-k only (a cache or a server): use --teacher_combine sum (the weighted sum of "
                              "divergences) or list live teachers.")
-    if args.lmbda > 0 or args.seq_kd:
-        raise ValueError("Several teachers distil on the dataset's completions: set lmbda=0 and seq_kd=False "
-                         "(on-policy and sequence-level distillation take one teacher).")
+    if args.seq_kd:
+        raise ValueError("seq_kd samples the completions from the teacher, and several teach: which one samples is "
+                         "not defined. Set seq_kd=False (on-policy, lmbda > 0, takes several teachers), or name one "
+                         "teacher.")
+    cached = [spec.name for spec in specs if spec.kind == "cache"]
+    if args.lmbda > 0 and cached:
+        raise ValueError(f"On-policy distillation (lmbda > 0) scores the student's own samples, and the teachers "
+                         f"{cached} are caches of the dataset's completions only: list their models or servers "
+                         "instead, or set lmbda=0.")
     if args.teacher_combine == "route" and (args.packing or args.padding_free):
         raise ValueError("Routing rows to teachers needs one example per row: set packing=False and padding_free="
                          "False, or mix the teachers (--teacher_combine mixture or sum).")
