@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 from rank_pool import RankPool
+from transformers import AutoTokenizer
 
 from trl_distill import testing
 from trl_distill.testing import (
@@ -139,3 +140,13 @@ def other_teacher(tmp_path_factory) -> str:
     build_tiny_model(tokenizer, "teacher", seed=3).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return str(directory)
+
+
+@pytest.fixture(scope="session")
+def second_teacher(tiny_pair, tmp_path_factory) -> str:
+    """Another teacher of the same shape and tokenizer (other weights)."""
+    path = tmp_path_factory.mktemp("teacher_b") / "teacher_b"
+    tok = AutoTokenizer.from_pretrained(tiny_pair["tokenizer"])
+    build_tiny_model(tok, "teacher", seed=7).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)

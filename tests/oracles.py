@@ -130,3 +130,14 @@ def _bucket_reference(student_logits, ids, top, log_tail, labels):
     out["teacher_entropy"] = -torch.where(p > 0, p * p.log(), 0.0).sum(-1)
     out["teacher_tail_mass"] = tail
     return out
+
+
+def shared_characters_reward(prompts, completions, **columns) -> list[float]:
+    """A task reward with TRL's signature (`task_reward_funcs oracles:shared_characters_reward`): the share of the
+    completion's characters found in its row's reference `completion` column, so that even an untrained student's
+    samples score apart."""
+    scores = []
+    for completion, reference in zip(completions, columns["completion"], strict=True):
+        wanted = set(reference)
+        scores.append(sum(c in wanted for c in completion) / max(len(completion), 1))
+    return scores

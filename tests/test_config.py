@@ -57,8 +57,8 @@ def test_every_field_has_help():
             assert f.metadata.get("help"), f.name
 
 
-SECTIONS = ["Teacher", "Loss", "On-policy and rollouts", "Cache", "Several teachers", "Long rows", "Metrics and guards",
-            "Generation-based evaluation", "Reliability"]
+SECTIONS = ["Teacher", "Loss", "On-policy and rollouts", "On-policy objective", "Cache", "Several teachers",
+            "Long rows", "Metrics and guards", "Generation-based evaluation", "Reliability"]
 
 
 def documented() -> list[tuple[str, str, str, bool, str | None]]:

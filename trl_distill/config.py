@@ -15,6 +15,7 @@ from .loss.divergences import LOSS_TYPES
 from .loss.fields import LossFields
 from .model.precision import settle_precision
 from .rollout.fields import EngineRolloutFields, OnPolicyFields, check_engine_args
+from .rollout.objective_fields import OnPolicyObjectiveFields, check_objective_args
 from .runtime.checkpoints import ReliabilityFields
 from .runtime.deepspeed_config import load_deepspeed_config
 from .runtime.distributed import prepare_cpu_distributed_state
@@ -28,7 +29,8 @@ from .teacher.specs import check_teachers
 
 @dataclass
 class DistillationConfig(ReliabilityFields, GenerationEvalFields, GuardFields, SequenceParallelFields,
-                         SeveralTeachersFields, CacheFields, EngineRolloutFields, OnPolicyFields, LossFields,
+                         SeveralTeachersFields, CacheFields, OnPolicyObjectiveFields, EngineRolloutFields,
+                         OnPolicyFields, LossFields,
                          TeacherFields, SFTConfig):
     r"""
     Configuration for [`DistillationTrainer`]: every [`trl.SFTConfig`] field, then the distillation's own, below in
@@ -124,6 +126,23 @@ class DistillationConfig(ReliabilityFields, GenerationEvalFields, GuardFields, S
             Weight each sampled token by the clipped ratio of the trainer's to the engine's probability.
         vllm_importance_sampling_clip_max (`float`, *optional*, defaults to `3.0`):
             Upper bound of those weights (TRL's GRPO name).
+
+        > On-policy objective
+
+        on_policy_objective (`str`, *optional*, defaults to `"divergence"`):
+            `divergence` (over the whole vocabulary) or `sampled_token` (a policy gradient on the sampled tokens).
+        sampled_token_kl_coef (`float`, *optional*, defaults to `1.0`):
+            The coefficient of each sampled token's reward, log p_teacher − log p_student.
+        sampled_token_discount (`float`, *optional*, defaults to `0.0`):
+            Each token's advantage also sums the later tokens' rewards, discounted by this per token.
+        epsilon (`float`, *optional*, defaults to `0.2`):
+            The importance ratio against the sampling engine is clipped to [1 − epsilon, 1 + epsilon_high].
+        epsilon_high (`float`, *optional*):
+            Its upper clip (default: epsilon).
+        task_reward_funcs (`list[str]`, *optional*):
+            Reward functions of each sampled completion (verifiers, TRL's signature) added to its advantages.
+        task_reward_weight (`float`, *optional*, defaults to `1.0`):
+            The task reward's weight beside the teacher's per-token reward.
 
         > Cache
 
@@ -228,6 +247,7 @@ class DistillationConfig(ReliabilityFields, GenerationEvalFields, GuardFields, S
         check_guard_args(self)
         check_generation_eval_args(self)
         check_teachers(self)  # several teachers: their entries, weights and modes
+        check_objective_args(self)  # on the student's samples: a divergence, or the sampled-token objective
         refuse_unsupported(self)  # what the run's kind of teacher refuses, where the arguments name both
         for name in ("model_init_kwargs", "teacher_model_init_kwargs"):
             refuse_quantization_without_gpu(getattr(self, name), name)

@@ -31,6 +31,7 @@ from .rollout.on_policy import (
     refuse_zero3_student_sampling,
 )
 from .rollout.sampling import Sampling
+from .rollout.task_rewards import TaskColumnsCollator, row_columns
 from .runtime import sequence_parallel, validation
 from .runtime.checkpoints import resume_point, run_record, save_complete_checkpoint, student_identity
 from .runtime.context import RunContext
@@ -130,6 +131,9 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
             # the collators, composed once: SFT's (or the caller's) innermost, then the teacher kind's, then
             # sequence parallelism's position ids outermost
             self.data_collator = sequence_parallel.collator(self.teacher.collator(self.data_collator), args)
+            task_columns = row_columns(self.train_dataset, self.teacher.columns) if args.task_reward_funcs else None
+            if task_columns is not None:  # the rows' own columns travel with the batch, for the reward functions
+                self.data_collator = TaskColumnsCollator(self.data_collator, task_columns)
             check_dataset_not_empty(self.train_dataset, "train", "prepared", args.max_length)
             check_sampling_prompts(self.train_dataset, args)  # lmbda / seq_kd: every row needs a prompt
             evaluation = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
@@ -148,7 +152,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         self.count_items_over_shifted_labels()
         self.guards = Guards(self.context)  # a non-finite loss, on-policy collapse, a teacher worse than the student
         self.metrics = DistillMetrics(self.context, self.guards, self.eval_metric_values)
-        self.sampler = CompletionSampler(self.context, self.teacher)  # on-policy / sequence-level (lmbda, seq_kd)
+        # on-policy / sequence-level (lmbda, seq_kd), and the task reward of the student's samples
+        self.sampler = CompletionSampler(self.context, self.teacher, task_columns)
         # sequence parallelism: what it changes in this process (both models' attention), undone as training ends
         self.sequence_parallel_scope = (sequence_parallel.SequenceParallelScope(args)
                                         if sequence_parallel.sequence_parallel_size(args) > 1 else None)
@@ -221,6 +226,9 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         super()._set_signature_columns_if_needed()
         for column in self.teacher.columns:  # what the teacher's collator reads (a cache row, the teacher's ids)
             self.keep_dataset_column(column)
+        if self.args.task_reward_funcs:  # the reward functions read the rows' own columns
+            for column in row_columns(self.train_dataset, self.teacher.columns):
+                self.keep_dataset_column(column)
 
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
         dataset = super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
@@ -346,6 +354,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         args = self.args
         extras = self.teacher.pop_batch(inputs)  # what the teacher's collator added; the student must not see it
         correction = self.sampler.pop_correction(inputs)  # sampled by the rollout engine: its log-probs
+        sampled = self.sampler.objective_job(inputs, self.model.training)  # the sampled-token objective, if so
         model_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
         target, mask = loss_tokens(inputs)
         # Sequence positions with a loss token in some row: the only ones either model projects (position t
@@ -357,11 +366,11 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         teacher = self.teacher.for_batch(model_inputs, extras, mask, keep)  # every rank: gathers are collective
         loss_fn = partial(features_loss, teacher=teacher, target=target, mask=mask, settings=self.loss_settings,
                           num_items_in_batch=num_items_in_batch, correction=correction,
-                          diagnostics=self.metrics.diagnostics())  # run inside the student's forward
+                          diagnostics=self.metrics.diagnostics(), sampled=sampled)  # inside the student's forward
         routed = {"output_router_logits": True} if self.aux_loss_enabled else {}  # the aux loss, same forward
         kd, ce, aux = model(**model_inputs, **routed, fused_distillation=loss_fn, loss_positions=keep)
         self.teacher.after_loss()
-        self.sampler.observe(correction)
+        self.sampler.observe(correction, sampled)
         if args.kd_temperature_scaling:
             kd = kd * args.temperature**2
         loss = args.alpha * kd + (1.0 - args.alpha) * ce

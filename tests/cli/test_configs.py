@@ -57,6 +57,8 @@ def test_recipe_parses_with_command_line_overrides():
         ("reverse_kl_chat.yaml", {"divergence": "reverse_kl", "temperature": 2.0, "alpha": 0.7}),
         ("two_teachers.yaml", {"teacher_combine": "route", "teacher_column": "teacher", "alpha": 0.5}),
         ("two_teachers_on_policy.yaml", {"teacher_combine": "route", "lmbda": 1.0, "divergence": "reverse_kl"}),
+        ("sampled_token_task_reward.yaml", {"on_policy_objective": "sampled_token", "lmbda": 1.0,
+                                            "task_reward_funcs": ["last_number"]}),
     ],
 )
 def test_every_recipe_parses(recipe, expected):
@@ -76,5 +78,5 @@ def test_every_recipe_parses(recipe, expected):
 
 def test_every_shipped_recipe_is_tested():
     tested = {"quickstart.yaml", "lora_student.yaml", "reverse_kl_chat.yaml", "two_teachers.yaml",
-              "two_teachers_on_policy.yaml"}
+              "two_teachers_on_policy.yaml", "sampled_token_task_reward.yaml"}
     assert {p.name for p in (CONFIGS / "recipes").glob("*.yaml")} == tested

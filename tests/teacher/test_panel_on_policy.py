@@ -192,3 +192,20 @@ def test_two_zero3_teachers_on_the_students_samples_on_two_processes(tiny_pair, 
     assert any(r.count(0) == 0 or r.count(1) == 0 for r in routes)  # some micro-batch lacks a teacher: idle row
     steps = [[h for h in rec["log_history"] if "train_runtime" not in h] for rec in records]
     assert steps[0] == steps[1]
+
+
+@pytest.mark.parametrize("combine, weights", [("mixture", [0.25, 0.75]), ("sum", [1.0, 2.0])])
+def test_mixed_and_summed_teachers_on_the_students_samples_are_their_formulas(tiny_pair, second_teacher, tmp_path,
+                                                                             combine, weights):
+    trainer = trainer_for(tiny_pair, tmp_path, dataset(), teachers=[f"a={tiny_pair['teacher']}", f"b={second_teacher}"],
+                          teacher_combine=combine, teacher_weights=weights, **ON_POLICY)
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    sampled, completions = trainer.sampler.sample(STUDENT, batch)
+    assert not torch.equal(sampled["input_ids"][:, :batch["input_ids"].shape[1]], batch["input_ids"])
+    teachers = [member.module for member in trainer.teacher.members.values()]
+    with torch.no_grad():
+        expected, _ = formula(trainer, sampled, teachers, "reverse_kl")
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1
+        _, outputs = trainer.compute_loss(trainer.model, dict(sampled), return_outputs=True)
+    assert outputs["kd_loss"].item() == pytest.approx(expected.item(), rel=1e-4)

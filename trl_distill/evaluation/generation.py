@@ -20,7 +20,7 @@ import torch
 
 from ..loss.diagnostics import LossDiagnostics
 from ..rollout.sampling import Sampling
-from .verifiers import ANSWER_COLUMNS, Verifier, resolve_verifiers, uses_answer_column
+from .verifiers import Verifier, answer_column, resolve_verifiers
 
 logger = logging.getLogger("trl_distill")
 
@@ -37,7 +37,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def _before_first_answer(messages: list[dict]) -> list[dict]:
+def before_first_answer(messages: list[dict]) -> list[dict]:
     roles = [m.get("role") for m in messages]
     return messages[: roles.index("assistant")] if "assistant" in roles else messages
 
@@ -57,16 +57,8 @@ class EvalSettings:
 
 def eval_settings(args, sampling: Sampling, dataset) -> EvalSettings:
     """The settings for `dataset` (a prepared eval split): the built-ins' answer column picked and checked."""
-    column = args.eval_answer_column
-    if uses_answer_column(args.eval_reward_funcs):
-        names = dataset.column_names
-        if column is None:
-            column = next((c for c in ANSWER_COLUMNS if c in names), None)
-        if column is None or column not in names:
-            wanted = repr(column) if column else " or ".join(map(repr, ANSWER_COLUMNS))
-            raise ValueError(f"The built-in verifiers of eval_reward_funcs compare with an answer column, and the eval "
-                             f"split has no {wanted} column (it has: {', '.join(names)}): add one, or name it with "
-                             "--eval_answer_column.")
+    column = answer_column(args.eval_reward_funcs, args.eval_answer_column, dataset.column_names,
+                           "eval_reward_funcs compare with an answer column, and the eval split")
     verifiers = resolve_verifiers(args.eval_reward_funcs, column or "answer", args.eval_answer_pattern)
     return EvalSettings(verifiers, column, args.num_generations_eval, sampling, args.per_device_eval_batch_size,
                         args.eval_generation_prompts, args.seed)
@@ -112,7 +104,7 @@ class GenerationEvaluation:
         columns = {name: rows[name] for name in rows.column_names}
         prompts = columns.get("prompt")
         if prompts is None:  # conversational rows: the messages before the first assistant turn (what is completed)
-            prompts = [_before_first_answer(m) for m in columns["messages"]] if "messages" in columns \
+            prompts = [before_first_answer(m) for m in columns["messages"]] if "messages" in columns \
                 else [None] * len(rows)
         return prompts, columns
 

@@ -172,3 +172,17 @@ def resolve_verifiers(specs: list[str], answer_column: str, pattern: str | None)
 
 def uses_answer_column(specs: list[str]) -> bool:
     return any(spec in BUILT_INS for spec in specs)
+
+
+def answer_column(specs: list[str], given: str | None, names: list[str], what: str) -> str | None:
+    """The column the built-in verifiers among `specs` compare with: `given`, else the first of `ANSWER_COLUMNS` in
+    `names` (None when no built-in is used); one line when `what` (e.g. "eval_reward_funcs ... the eval split") has
+    none."""
+    if not uses_answer_column(specs):
+        return given
+    column = given or next((c for c in ANSWER_COLUMNS if c in names), None)
+    if column is None or column not in names:
+        wanted = repr(column) if column else " or ".join(map(repr, ANSWER_COLUMNS))
+        raise ValueError(f"The built-in verifiers of {what} has no {wanted} column (it has: {', '.join(names)}): add "
+                         "one, or name it with --eval_answer_column.")
+    return column

@@ -99,6 +99,9 @@ class RoutedSignal(TeacherSignal):
         i, _ = self._local(rows)
         self.parts[i] = self.parts[i] + kd
 
+    def token_log_probs(self, chunk, labels: Tensor) -> Tensor:
+        return self.signals[self._owner].token_log_probs(chunk, labels)  # the teacher of the chunk asked for last
+
 
 class MixtureSignal(TeacherSignal):
     """The mixture ``Σ w_i p_i`` of dense teachers' distributions (weights summing to 1) as one teacher."""

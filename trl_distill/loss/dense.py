@@ -46,6 +46,10 @@ class DenseTeacherSignal(TeacherSignal):
         return settings.per_token(student_logp, teacher_logp)
 
     @staticmethod
+    def token_log_probs(teacher_logp: Tensor, labels: Tensor) -> Tensor:
+        return teacher_logp.gather(1, labels[:, None]).squeeze(1)
+
+    @staticmethod
     def observe(into: LossDiagnostics, rows: slice, logits: Tensor, teacher_logp: Tensor, labels: Tensor | None,
                 settings: LossSettings) -> None:
         observe_dense(into, logits, teacher_logp, labels, settings.temperature)

@@ -19,6 +19,7 @@ from .chunk_pass import ChunkPass, LossJob
 from .dense import DenseTeacherSignal
 from .diagnostics import LossDiagnostics
 from .divergences import normalise_sum
+from .sampled_token import SampledTokenJob, sampled_token_signal
 from .settings import LossSettings, default_chunk_size
 
 if TYPE_CHECKING:
@@ -151,12 +152,15 @@ def fused_loss(
 
 def features_loss(student: LossFeatures, *, teacher, target: Tensor, mask: Tensor, settings: LossSettings,
                   num_items_in_batch=None, correction: RolloutCorrection | None = None,
-                  diagnostics: LossDiagnostics | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+                  diagnostics: LossDiagnostics | None = None,
+                  sampled: SampledTokenJob | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """One micro-batch's ``(kd, ce, aux)``, run inside the student's patched forward (`model.fused_forward`, so
     DeepSpeed's hooks wrap it): the student's `LossFeatures` at the kept positions, the loss tokens `mask` ``[B, K]``
     and their `target` ``[B, K]``, and the teacher over them (a `teacher.base.TeacherBatch`: its `heads`, gathered
     around the loss, and its `signal`; a routed signal's `order` reorders the rows teacher by teacher). ``aux``: a
-    Mixture-of-Experts student's router load-balancing loss of the same forward (None: not asked for)."""
+    Mixture-of-Experts student's router load-balancing loss of the same forward (None: not asked for). `sampled`: the
+    rows are the student's own samples and the KD term is the sampled-token objective (`loss.sampled_token`), its
+    ratio against the engine's log-probs in `correction` when an engine sampled."""
     s_flat, rows, labels = select_loss_rows(student.states, mask, target.clamp(min=0))
     heads = [head for head in (student.head, *teacher.heads) if head is not None]
     with gathered(*(param for head in heads for param in head.params)):
@@ -166,6 +170,11 @@ def features_loss(student: LossFeatures, *, teacher, target: Tensor, mask: Tenso
             if correction is not None:  # the engine's log-probs, in the same order
                 correction.engine = correction.engine.index_select(0, signal.order.to(correction.engine.device))
                 correction.gap = torch.zeros_like(correction.engine, dtype=torch.float32)
+        if sampled is not None:
+            vocab = settings.vocab_size or head_shape(s_flat, student.head)[0]
+            chunk = settings.chunk_size or default_chunk_size(vocab)
+            signal = sampled_token_signal(signal, sampled, rows, labels, mask.shape[1], s_flat, student.head, vocab,
+                                          chunk, None if correction is None else correction.engine)
         kd, ce = fused_loss(s_flat, student.head, signal, settings, rows, labels, num_items_in_batch, correction,
                             diagnostics)
     return kd, ce, student.aux_loss

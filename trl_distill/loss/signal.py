@@ -59,3 +59,10 @@ class TeacherSignal(ABC):
     def tally(self, rows: slice, kd: Tensor) -> None:
         """Count a chunk's KD sum (several teachers: each one's part, logged per teacher); nothing here."""
         return None
+
+    def token_log_probs(self, chunk: Any, labels: Tensor) -> Tensor:
+        """The teacher's log-prob of each row's token `labels` ``[c]`` from this chunk (the sampled-token objective,
+        `loss.sampled_token`); a signal that does not hold it refuses."""
+        raise ValueError(f"on_policy_objective='sampled_token' reads the teacher's log-prob of each sampled token, "
+                         f"which {type(self).__name__} does not give: use one teacher (or several routed) that "
+                         "shares the student's tokenizer, or on_policy_objective='divergence'.")

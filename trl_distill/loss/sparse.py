@@ -92,6 +92,18 @@ class SparseSignalChunks(TeacherSignal):
         return settings.per_token(bucketed(student_logp, ids), teacher_buckets.to(student_logp.dtype))
 
     @staticmethod
+    def token_log_probs(chunk: tuple[Tensor, Tensor], labels: Tensor) -> Tensor:
+        """The log-prob of each row's token, which must be among its ids (a served teacher under the sampled-token
+        objective is asked for exactly the sampled tokens)."""
+        ids, teacher_buckets = chunk
+        match = ids == labels[:, None].to(ids.device)
+        if not bool(match.any(1).all()):
+            raise ValueError("The teacher's sparse signal lacks the log-prob of a sampled token (it holds a top-k "
+                             "that does not contain it): the sampled-token objective needs a live teacher or a "
+                             "served one, which is asked for the sampled tokens themselves.")
+        return teacher_buckets.gather(1, match.int().argmax(1, keepdim=True)).squeeze(1)
+
+    @staticmethod
     def observe(into: LossDiagnostics, rows: slice, logits: Tensor, chunk: tuple[Tensor, Tensor],
                 labels: Tensor | None, settings: LossSettings) -> None:
         ids, teacher_buckets = chunk

@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..loss.rollout_correction import RolloutCorrection
+from ..loss.sampled_token import SampledTokenJob, SampledTokenSettings
 from .sampling import Sampling, seeded
+from .task_rewards import TASK_COLUMNS, TASK_REWARDS, Held
 
 if TYPE_CHECKING:  # the rollout server's client and weight sync: imported by a run that uses one
     from .engine_rollouts import EngineRollouts
@@ -170,8 +172,15 @@ class CompletionSampler:
     """A `DistillationTrainer`'s on-policy / sequence-level side: draws each step's source, samples the completions
     and counts what it sampled for the logs (`on_policy_fraction`, `generated_length`)."""
 
-    def __init__(self, context, teacher):
+    def __init__(self, context, teacher, task_columns: list[str] | None = None):
         self.context, self.teacher = context, teacher  # the run, and its teacher (which scores sampled rows)
+        self.task_rewards = None  # `task_reward_funcs`: the reward of each sampled completion
+        if task_columns is not None:
+            from .task_rewards import TaskRewards
+
+            self.task_rewards = TaskRewards(context.args, context.tokenizer, task_columns)
+        # the sampled-token objective's counts since the last log: advantage, gap, clipped, tokens; reward, rows
+        self.objective = dict.fromkeys(("advantage", "gap", "clipped", "tokens", "reward", "rewarded"), 0.0)
         self.stats = dict.fromkeys(("micro_steps", "on_policy", "rows", "tokens", "ended", "ngrams", "repeated"), 0)
         self.on_policy = False  # whether the current micro-batch's completions are the student's own samples
         self.engine = None
@@ -199,7 +208,13 @@ class CompletionSampler:
         self.on_policy = source == STUDENT
         if source == DATASET:
             return inputs, False
+        columns = inputs.get(TASK_COLUMNS)
         inputs, completions = self.sample(source, run.prepare_inputs(inputs))
+        if self.task_rewards is not None and source == STUDENT:  # each sample's task reward, from its row's columns
+            rewards = self.task_rewards.score(columns.value, completions)
+            inputs[TASK_REWARDS] = Held(rewards)
+            self.objective["reward"] += float(rewards.sum())
+            self.objective["rewarded"] += len(rewards)
         self.stats["on_policy"] += source == STUDENT
         self.stats["rows"] += len(completions)
         self.stats["tokens"] += sum(len(c) for c in completions)
@@ -258,11 +273,24 @@ class CompletionSampler:
         if held is None:
             return None
         args = self.context.args
-        return RolloutCorrection(held.values, args.vllm_importance_sampling_clip_max
-                                 if args.vllm_importance_sampling_correction else None)
+        corrected = args.vllm_importance_sampling_correction and args.on_policy_objective != "sampled_token"
+        return RolloutCorrection(held.values, args.vllm_importance_sampling_clip_max if corrected else None)
 
-    def observe(self, correction: RolloutCorrection | None) -> None:
-        """After the loss: count the trainer-vs-engine log-prob gaps it recorded."""
+    def objective_job(self, inputs: dict, training: bool) -> SampledTokenJob | None:
+        """The sampled-token objective of this micro-batch (with its samples' task rewards), when it trains on the
+        student's own samples under it; else None (the divergence). Takes the rows' columns off the batch."""
+        inputs.pop(TASK_COLUMNS, None)
+        rewards = inputs.pop(TASK_REWARDS, None)
+        args = self.context.args
+        if args.on_policy_objective != "sampled_token" or not (training and self.on_policy):
+            return None
+        return SampledTokenJob(SampledTokenSettings.of(args), None if rewards is None else rewards.value)
+
+    def observe(self, correction: RolloutCorrection | None, sampled: SampledTokenJob | None = None) -> None:
+        """After the loss: count the trainer-vs-engine log-prob gaps it recorded, and the objective's counts."""
+        if sampled is not None:
+            for key, value in sampled.stats.items():
+                self.objective[key] += value
         if correction is not None and self.engine is not None:
             self.engine.counts["abs_gap"] += float(correction.gap.abs().sum())
             self.engine.counts["gap"] += float(correction.gap.sum())
@@ -274,9 +302,18 @@ class CompletionSampler:
             return
         engine = self.engine.take_stats() if self.engine is not None else []
         span, self.since = time.perf_counter() - self.since, time.perf_counter()
-        stats = torch.tensor([float(v) for v in self.stats.values()] + engine + [span], device=device)
-        micro_steps, on_policy, rows, tokens, ended, grams, repeated, *engine, span = \
+        stats = torch.tensor([float(v) for v in self.stats.values()] + list(self.objective.values()) + engine + [span],
+                             device=device)
+        micro_steps, on_policy, rows, tokens, ended, grams, repeated, *rest = \
             accelerator.reduce(stats, reduction="sum").tolist()
+        (advantage, gap, clipped, scored, reward, rewarded), engine, span = rest[:6], rest[6:-1], rest[-1]
+        self.objective = dict.fromkeys(self.objective, 0.0)
+        if scored:  # the sampled-token objective (TRL GRPO's clip_ratio)
+            logs["sampled_token_advantage"] = advantage / scored
+            logs["sampled_token_teacher_gap"] = gap / scored  # mean log p_teacher − log p_student of sampled tokens
+            logs["clip_ratio"] = clipped / scored
+        if rewarded:
+            logs["task_reward"] = reward / rewarded
         logs["on_policy_fraction"] = on_policy / max(micro_steps, 1)
         logs["generated_length"] = tokens / max(rows, 1)
         if rows:

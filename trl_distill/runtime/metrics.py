@@ -105,7 +105,9 @@ class DistillMetrics:
             self.teacher_windows.setdefault(name, LossDiagnostics(self.context.device)).merge(measured)
         total = sum(part.to(kd.device) for part, _ in parts.values())
         for name, (part, tokens) in parts.items():
-            share = torch.where(total > 0, part.to(kd.device) / total.clamp_min(1e-30), torch.zeros_like(total))
+            # (signed: the sampled-token objective's sum may be negative)
+            share = torch.where(total != 0, part.to(kd.device) / torch.where(total != 0, total, 1.0),
+                                torch.zeros_like(total))
             self.sums[f"kd_loss/{name}"] = self.sums.get(f"kd_loss/{name}", 0.0) + kd.detach() * share
             if tokens is not None:
                 self.teacher_tokens[name] = self.teacher_tokens.get(name, 0) + tokens

@@ -18,15 +18,19 @@ logger = logging.getLogger(__name__)
 ROW = "teacher_cache_row"  # the column added to the prepared train dataset: the row's index in the cache
 
 
+ON_POLICY_REFUSAL = ("A teacher cache holds the teacher's distribution on the dataset's completions only; on-policy "
+                     "(lmbda > 0) and sequence-level (seq_kd) distillation need the live teacher. Drop --teacher_cache "
+                     "or set lmbda=0 and seq_kd=False.")
+
+
 class CachedTeacher(TeacherSource):
     """The teacher cache at `directory` as the source of each batch's teacher signal."""
 
     row_column, signal_key = ROW, SIGNAL  # its dataset column and batch key (one per teacher when several teach)
     name = None  # what the run record holds: no teacher model
     refused = {
-        "on-policy": "A teacher cache holds the teacher's distribution on the dataset's completions only; on-policy "
-        "(lmbda > 0) and sequence-level (seq_kd) distillation need the live teacher. Drop --teacher_cache or set "
-        "lmbda=0 and seq_kd=False.",
+        "on-policy": ON_POLICY_REFUSAL,
+        "sampled-token": ON_POLICY_REFUSAL,  # (on the student's own samples: lmbda 1)
         "packing": "Training from a teacher cache does not support packing / padding_free yet: the cache holds one "
         "row per unpacked example. Set packing=False and padding_free=False.",
         "eval": "Evaluation needs the teacher's distribution on the eval split, which the teacher cache does not hold: "

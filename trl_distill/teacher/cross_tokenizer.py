@@ -45,7 +45,12 @@ class CrossTokenizerTeacher(LiveTeacher):
     models on the aligned groups (`cross_tokenizer.loss.CrossTokenizerLoss`). Runs once per micro-batch."""
 
     columns = COLUMNS
-    refused = {"packing": _REFUSAL.format("packing / padding_free")}
+    refused = {
+        "packing": _REFUSAL.format("packing / padding_free"),
+        "sampled-token": "on_policy_objective='sampled_token' reads the teacher's log-prob of the student's own "
+        "sampled tokens, and a teacher with another tokenizer has no log-prob of them: use on_policy_objective="
+        "'divergence' (it scores the samples re-tokenized), or a teacher on the student's tokenizer.",
+    }
     batch_key = _BATCH  # what its collator adds to a batch
     routes_own_rows = False  # its own ids come with the whole batch (routed, the loss picks its rows)
 

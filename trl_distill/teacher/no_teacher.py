@@ -44,6 +44,8 @@ class NoTeacher(TeacherSource):
     refused = {
         "on-policy": "On-policy and sequence-level distillation learn from a teacher's judgement of sampled "
         "completions, and alpha=0 without a teacher has none: set lmbda=0 and seq_kd=False, or name a teacher.",
+        "sampled-token": "On-policy and sequence-level distillation learn from a teacher's judgement of sampled "
+        "completions, and alpha=0 without a teacher has none: set lmbda=0 and seq_kd=False, or name a teacher.",
         "cross-tokenizer": "Cross-tokenizer settings need a teacher with its own tokenizer, and alpha=0 without a "
         "teacher has none: drop teacher_tokenizer_name_or_path and cross_tokenizer.",
     }

@@ -25,6 +25,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future
+from functools import partial
 
 import numpy as np
 import torch
@@ -126,7 +127,10 @@ class ServedTeacher(TeacherSource):
         return self._sampler
 
     def score_sampled(self, batch: dict, source: dict | None = None) -> None:
-        batch[self.signal_key] = self.request(batch)  # the sampled rows' top-k, asked for at once
+        """The sampled rows' top-k, asked for at once; under the sampled-token objective only the sampled tokens'
+        own log-probs (``prompt_logprobs=0``: a fraction of the bytes)."""
+        sampled_only = self.context is not None and self.context.args.on_policy_objective == "sampled_token"
+        batch[self.signal_key] = self.request(batch, sampled_only)
 
     def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> SparseRows:
         return SparseRows(extras)
@@ -194,8 +198,9 @@ class ServedTeacher(TeacherSource):
         check_ids(probe.ids, vocab_size, url)
         self.vocab_size = vocab_size
 
-    def request(self, batch: dict) -> SignalHolder:
-        """Ask for the signal of a collated batch's loss tokens; in the main process it arrives on a thread."""
+    def request(self, batch: dict, sampled_only: bool = False) -> SignalHolder:
+        """Ask for the signal of a collated batch's loss tokens (`sampled_only`: the log-prob of each token itself,
+        not the top-k); in the main process it arrives on a thread."""
         rows, positions = loss_rows(batch)
         if torch.utils.data.get_worker_info() is not None:  # a DataLoader worker: it is ahead of training already
             try:
@@ -204,7 +209,8 @@ class ServedTeacher(TeacherSource):
                 return SignalHolder(None, error=error)  # DataLoader's "Caught ... in DataLoader worker" wrapper)
         if self._pool is None or self._pool_pid != os.getpid():
             self._pool, self._pool_pid = RequestPool(self.concurrency), os.getpid()
-        return SignalHolder(self._pool.submit(self.fetch_arrays, rows, positions), build=signal_of)
+        fetch = partial(self.fetch_arrays, sampled_only=sampled_only)
+        return SignalHolder(self._pool.submit(fetch, rows, positions), build=signal_of)
 
     def fetch(self, rows: list[list[int]], positions: list[np.ndarray],
               stop: threading.Event | None = None) -> SparseTeacherSignal:
@@ -212,11 +218,12 @@ class ServedTeacher(TeacherSource):
         order in which the loss selects its tokens. `stop` cancels the request's retries."""
         return signal_of(self.fetch_arrays(rows, positions, stop))
 
-    def fetch_arrays(self, rows: list[list[int]], positions: list[np.ndarray],
-                     stop: threading.Event | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def fetch_arrays(self, rows: list[list[int]], positions: list[np.ndarray], stop: threading.Event | None = None,
+                     sampled_only: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`fetch` as numpy arrays: what the request threads run (HTTP, JSON and numpy, no torch: see
         `server_client.signal_of`)."""
-        signals = self.client.top_k_arrays(rows, self.top_k, stop)
+        signals = (self.client.token_arrays(rows, stop) if sampled_only else
+                   self.client.top_k_arrays(rows, self.top_k, stop))
         parts = [[array[np.asarray(where)] for array in signal] for signal, where in zip(signals, positions,
                                                                                           strict=True)]
         ids, log_probs, tail = (np.concatenate(column) for column in zip(*parts, strict=True))

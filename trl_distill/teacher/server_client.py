@@ -118,6 +118,34 @@ class TeacherServerClient:
                                           f"{len(rows)} prompts: --teacher_server must be a vLLM server.")
         return [self._arrays(entries, len(ids), k) for entries, ids in zip(logprobs, rows, strict=True)]
 
+    def token_arrays(self, rows: list[list[int]], stop: threading.Event | None = None
+                     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Each row's own tokens' log-probs only (``prompt_logprobs=0``: what the sampled-token objective reads), as
+        `top_k_arrays` gives a top-1: the ids are the row's tokens, the tail the rest of the mass."""
+        body = {"model": self.model, "prompt": [list(map(int, ids)) for ids in rows], "max_tokens": 1,
+                "prompt_logprobs": 0, "temperature": 0}
+        choices = sorted(self._field(self._post("/v1/completions", body, stop), "choices", "/v1/completions"),
+                         key=lambda choice: choice.get("index", 0) if isinstance(choice, dict) else 0)
+        if len(choices) != len(rows):
+            raise TeacherServerReplyError(f"The teacher server {self.url} returned {len(choices)} completions for "
+                                          f"{len(rows)} prompts: --teacher_server must be a vLLM server.")
+        out = []
+        for choice, ids in zip(choices, rows, strict=True):
+            entries = choice.get("prompt_logprobs") if isinstance(choice, dict) else None
+            if not isinstance(entries, list) or len(entries) != len(ids):
+                raise TeacherServerReplyError(f"The teacher server {self.url} returned no prompt_logprobs of each "
+                                              f"token ({excerpt(json.dumps(entries))}): serve the teacher with vLLM.")
+            try:
+                own = [float(entry[str(token)]["logprob"]) for entry, token in zip(entries[1:], ids[1:], strict=True)]
+            except (KeyError, TypeError, ValueError):
+                raise TeacherServerReplyError(f"The teacher server {self.url} returned prompt_logprobs without the "
+                                              "prompt's own tokens: serve the teacher with vLLM.") from None
+            log_probs = np.asarray(own, dtype=np.float64).reshape(-1, 1)
+            with np.errstate(divide="ignore"):
+                tail = np.log1p(-np.minimum(np.exp(log_probs[:, 0]), 1.0))
+            out.append((np.asarray(ids[1:], dtype=np.int64).reshape(-1, 1), log_probs, tail))
+        return out
+
     def _arrays(self, prompt_logprobs: list | None, length: int, k: int
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not isinstance(prompt_logprobs, list):

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-Mode = Literal["off-policy", "on-policy", "packing", "eval", "gradient accumulation", "LoRA", "cross-tokenizer"]
-MODES: tuple[Mode, ...] = ("off-policy", "on-policy", "packing", "eval", "gradient accumulation", "LoRA",
-                           "cross-tokenizer")
+Mode = Literal["off-policy", "on-policy", "sampled-token", "packing", "eval", "gradient accumulation", "LoRA",
+               "cross-tokenizer"]
+MODES: tuple[Mode, ...] = ("off-policy", "on-policy", "sampled-token", "packing", "eval", "gradient accumulation",
+                           "LoRA", "cross-tokenizer")
 
-ARGS_MODES: tuple[Mode, ...] = ("on-policy", "packing", "cross-tokenizer")
+ARGS_MODES: tuple[Mode, ...] = ("on-policy", "sampled-token", "packing", "cross-tokenizer")
 """The modes the arguments alone decide (refused as the config is built)."""
 
 
@@ -21,6 +22,7 @@ def active_modes(args, *, eval_dataset=None, peft: bool = False) -> list[Mode]:
     on = {
         "off-policy": args.lmbda < 1,
         "on-policy": args.lmbda > 0 or bool(args.seq_kd),
+        "sampled-token": args.on_policy_objective == "sampled_token",
         "packing": bool(args.packing or args.padding_free),
         "eval": eval_dataset is not None,
         "gradient accumulation": args.gradient_accumulation_steps > 1,

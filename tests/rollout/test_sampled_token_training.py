@@ -1,0 +1,190 @@
+"""The sampled-token objective in the trainer: on the student's own samples, the loss of every step is the formula
+on both models' own logits (float64), with a task reward from the rows' own columns and with two routed teachers;
+a served teacher is asked for the sampled tokens' log-probs only; what cannot combine is one line."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from oracles import shared_characters_reward
+from transformers import AutoTokenizer
+
+from trl_distill import DistillationConfig, DistillationTrainer
+from trl_distill.data.batch import loss_tokens
+from trl_distill.rollout.on_policy import STUDENT
+from trl_distill.rollout.task_rewards import TASK_REWARDS
+from trl_distill.teacher.panel import ROUTE
+from trl_distill.testing import logged, synthetic_prompt_completion, tiny_run_settings
+
+
+def dataset(names=None, rows=32):
+    data = synthetic_prompt_completion(rows)
+    return data if names is None else data.add_column("teacher", [names[i % len(names)] for i in range(rows)])
+
+
+def trainer_for(pair, tmp_path, data, **overrides) -> DistillationTrainer:
+    settings = tiny_run_settings(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3,
+                                 save_strategy="no", use_cpu=True, kd_temperature_scaling=False)
+    settings.update(overrides)
+    return DistillationTrainer(pair["student"], args=DistillationConfig(**settings), train_dataset=data,
+                               processing_class=AutoTokenizer.from_pretrained(pair["tokenizer"]))
+
+
+SAMPLED = dict(lmbda=1.0, max_new_tokens=6, alpha=1.0, temperature=1.0, on_policy_objective="sampled_token",
+               sampled_token_kl_coef=0.5)
+
+
+def token_log_probs(model, batch):
+    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+    target, mask = loss_tokens(batch)
+    logp = F.log_softmax(model(**inputs).logits[:, :-1].double(), -1)
+    return logp.gather(2, target.clamp(min=0)[..., None]).squeeze(2)[mask], mask
+
+
+def expected_loss(trainer, batch, teachers, rewards=None):
+    """-mean over sampled tokens of kl_coef (log p_teacher − log p_student) + w (R − mean R) (HF generate: ratio 1)."""
+    args = trainer.args
+    student, mask = token_log_probs(trainer.model, batch)
+    route = batch[ROUTE] if ROUTE in batch else torch.zeros(mask.shape[0], dtype=torch.long)
+    per_row = route[:, None].expand_as(mask)[mask]
+    teacher = torch.stack([token_log_probs(t, batch)[0] for t in teachers]).gather(0, per_row[None]).squeeze(0)
+    advantage = args.sampled_token_kl_coef * (teacher - student)
+    if rewards is not None:
+        sequence = torch.arange(mask.shape[0])[:, None].expand_as(mask)[mask]
+        advantage = advantage + args.task_reward_weight * (rewards - rewards.mean())[sequence]
+    return -advantage.mean()
+
+
+def test_each_step_is_the_formula_with_a_task_reward_and_two_routed_teachers(tiny_pair, second_teacher, tmp_path):
+    trainer = trainer_for(tiny_pair, tmp_path, dataset(["a", "b", "b"]), max_steps=3,
+                          teachers=[f"a={tiny_pair['teacher']}", f"b={second_teacher}"],
+                          task_reward_funcs=["oracles:shared_characters_reward"], task_reward_weight=2.0, **SAMPLED)
+    checks, compute_loss = [], trainer.compute_loss
+
+    def checked(model, inputs, return_outputs=False, num_items_in_batch=None):
+        rewards, route = inputs[TASK_REWARDS].value, inputs[ROUTE].tolist()
+        teachers = [member.module for member in trainer.teacher.members.values()]
+        with torch.no_grad():
+            want = expected_loss(trainer, inputs, teachers, rewards)
+        loss, outputs = compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        checks.append((outputs["kd_loss"].item(), want.item(), rewards, route))
+        return (loss, outputs) if return_outputs else loss
+
+    trainer.compute_loss = checked
+    trainer.train()
+    history = trainer.state.log_history
+    assert len(checks) == 3
+    for kd, want, *_ in checks:
+        assert kd == pytest.approx(want, rel=1e-5, abs=1e-7)
+    assert any(len(set(r.tolist())) > 1 for _, _, r, _ in checks)  # rewards that differ: the task term is live
+    assert sorted({i for *_, route in checks for i in route}) == [0, 1]
+    assert logged(history, "clip_ratio") == {1: 0.0, 2: 0.0, 3: 0.0}  # HF generate: the ratio is 1
+    assert all(0 <= v <= 1 for v in logged(history, "task_reward").values())
+    for step, kd in logged(history, "kd_loss").items():
+        assert logged(history, "kd_loss/a")[step] + logged(history, "kd_loss/b")[step] == pytest.approx(kd, rel=1e-6)
+    assert shared_characters_reward([None], ["ab"], completion=["b c"]) == [0.5]
+
+
+def test_a_served_teacher_is_asked_for_the_sampled_tokens_only(served, tmp_path):
+    pair = {"student": served["student"], "tokenizer": served["teacher"]}
+    trainer = trainer_for(pair, tmp_path, dataset(), teacher_server=served["url"], max_length=64, **SAMPLED)
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    sampled, _ = trainer.sampler.sample(STUDENT, batch)
+    signal = trainer.teacher.pop_batch(dict(sampled))
+    target, mask = loss_tokens(sampled)
+    assert signal.ids.shape == (int(mask.sum()), 1)  # one id per sampled token: the token itself
+    assert torch.equal(signal.ids[:, 0], target[mask])
+    with torch.no_grad():
+        hf, _ = token_log_probs(served["model"], sampled)
+        torch.testing.assert_close(signal.log_probs[:, 0].double(), hf, atol=2e-4, rtol=0)  # vLLM's = HF's
+        trainer.model.train()
+        trainer.sampler.on_policy, trainer.current_gradient_accumulation_steps = True, 1
+        _, out = trainer.compute_loss(trainer.model, sampled, return_outputs=True)
+        want = expected_loss(trainer, sampled, [served["model"]])
+    assert out["kd_loss"].item() == pytest.approx(want.item(), rel=1e-3)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(lmbda=0.5), "set lmbda=1 and seq_kd=False"),
+    (dict(temperature=2.0), "set temperature=1"),
+    (dict(teachers=["a=./a", "b=./b"], teacher_combine="sum"), "route several teachers"),
+    (dict(teacher_tokenizer_name_or_path="./tok"), "the teacher must share the student's tokenizer"),
+    (dict(epsilon=1.5), "epsilon must be in [0, 1)"),
+    (dict(sampled_token_discount=1.5), "sampled_token_discount must be in [0, 1]"),
+    (dict(on_policy_objective="divergence", task_reward_funcs=["last_number"]), "set on_policy_objective="),
+])
+def test_what_cannot_combine_is_one_line(tmp_path, overrides, message):
+    with pytest.raises(ValueError) as error:
+        DistillationConfig(output_dir=str(tmp_path), **{**SAMPLED, **overrides})
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_teacher_of_another_tokenizer_is_one_line_before_training(tiny_pair, other_teacher, tmp_path):
+    with pytest.raises(ValueError, match=r"a teacher with another tokenizer has no log-prob of them"):
+        trainer_for(tiny_pair, tmp_path, dataset(), teacher_model_name_or_path=other_teacher, **SAMPLED)
+
+
+def test_the_ratio_is_against_the_rollout_servers_log_probs(rollout_server, tiny_pair, tmp_path):
+    """Rollouts from the student's vLLM server: ρ = π_student / π_engine per sampled token, from the engine's own
+    log-probs (shifted here by ±0.5 nats so the clip binds on some tokens), clipped as GRPO clips it."""
+    from trl_distill.runtime.distributed import free_port
+
+    pair = {"student": rollout_server["student"], "tokenizer": tiny_pair["tokenizer"]}
+    trainer = DistillationTrainer(pair["student"], tiny_pair["teacher"], args=DistillationConfig(**tiny_run_settings(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=1, save_strategy="no",
+        use_cpu=True, use_vllm=True, vllm_server_base_url=rollout_server["url"], vllm_group_port=free_port(),
+        vllm_server_timeout=60, epsilon=0.1, epsilon_high=0.3, **SAMPLED)), train_dataset=dataset(),
+        processing_class=rollout_server["tokenizer"])
+    try:
+        batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+        sampled, _ = trainer.sampler.sample(STUDENT, batch)
+        engine = sampled["rollout_logprobs"].values
+        shift = torch.where(torch.arange(len(engine)) % 2 == 0, 0.5, -0.5)
+        sampled["rollout_logprobs"].values = engine + shift
+        with torch.no_grad():
+            student, mask = token_log_probs(trainer.model, sampled)
+            teacher, _ = token_log_probs(trainer.teacher.module, sampled)
+            trainer.model.train()
+            trainer.sampler.on_policy, trainer.current_gradient_accumulation_steps = True, 1
+            _, out = trainer.compute_loss(trainer.model, dict(sampled), return_outputs=True)
+        assert (engine.double() - student).abs().max() < 1e-4  # the engine scores as the student does
+        advantage = trainer.args.sampled_token_kl_coef * (teacher - student)
+        ratio = torch.exp(student - (engine + shift).double())
+        want = -torch.minimum(ratio * advantage, ratio.clamp(0.9, 1.3) * advantage).mean()
+        assert out["kd_loss"].item() == pytest.approx(want.item(), rel=1e-4)
+        assert 0 < trainer.sampler.objective["clipped"] < mask.sum()
+    finally:
+        trainer.sampler.close()
+
+
+def test_routed_teachers_on_the_servers_rollouts_keep_each_tokens_engine_log_prob(rollout_server, tiny_pair,
+                                                                                   second_teacher, tmp_path):
+    """Routed, the loss takes its rows teacher by teacher: the engine's log-prob of each token must follow its token
+    (each shifted by its own amount here, so a misordered one would change the loss)."""
+    from trl_distill.runtime.distributed import free_port
+
+    trainer = DistillationTrainer(rollout_server["student"], args=DistillationConfig(**tiny_run_settings(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=1, save_strategy="no",
+        use_cpu=True, use_vllm=True, vllm_server_base_url=rollout_server["url"], vllm_group_port=free_port(),
+        vllm_server_timeout=60, teachers=[f"a={tiny_pair['teacher']}", f"b={second_teacher}"], epsilon=0.1,
+        **SAMPLED)), train_dataset=dataset(["a", "b", "b"]), processing_class=rollout_server["tokenizer"])
+    try:
+        batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+        sampled, _ = trainer.sampler.sample(STUDENT, batch)
+        assert sorted(set(sampled[ROUTE].tolist())) == [0, 1]
+        engine = sampled["rollout_logprobs"].values
+        shift = torch.linspace(-0.4, 0.4, len(engine))
+        sampled["rollout_logprobs"].values = engine + shift
+        teachers = [member.module for member in trainer.teacher.members.values()]
+        with torch.no_grad():
+            student, mask = token_log_probs(trainer.model, sampled)
+            per_row = sampled[ROUTE][:, None].expand_as(mask)[mask]
+            teacher = torch.stack([token_log_probs(t, sampled)[0] for t in teachers]).gather(0, per_row[None])[0]
+            trainer.model.train()
+            trainer.sampler.on_policy, trainer.current_gradient_accumulation_steps = True, 1
+            _, out = trainer.compute_loss(trainer.model, dict(sampled), return_outputs=True)
+        advantage = trainer.args.sampled_token_kl_coef * (teacher - student)
+        ratio = torch.exp(student - (engine + shift).double())
+        want = -torch.minimum(ratio * advantage, ratio.clamp(0.9, 1.1) * advantage).mean()
+        assert out["kd_loss"].item() == pytest.approx(want.item(), rel=1e-4)
+    finally:
+        trainer.sampler.close()

@@ -1,0 +1,73 @@
+"""`DistillationConfig` fields of the on-policy objective: the full-distribution divergence (`divergence`, as off
+the policy) or the sampled-token policy gradient with an optional task reward (`loss.sampled_token`); TRL GRPO's
+names where it has one (`epsilon`, `epsilon_high`, the reward functions' signature); their checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+OBJECTIVES = ("divergence", "sampled_token")
+
+
+@dataclass
+class OnPolicyObjectiveFields:
+    """What the student learns from its own samples (``lmbda`` > 0)."""
+
+    on_policy_objective: str = field(default="divergence", metadata={
+        "help": "On the student's own samples: 'divergence' (the `divergence` over the whole vocabulary, as off the "
+        "policy) or 'sampled_token' (a policy gradient on the sampled tokens, reward log p_teacher - log p_student "
+        "per token, plus task_reward_funcs; lmbda=1; reads only the teacher's log-prob of each sampled token).",
+        "choices": list(OBJECTIVES)})
+    sampled_token_kl_coef: float = field(default=1.0, metadata={
+        "help": "sampled_token: the coefficient of the per-token reward log p_teacher(y_t) - log p_student(y_t)."})
+    sampled_token_discount: float = field(default=0.0, metadata={
+        "help": "sampled_token: each token's advantage also sums the later tokens' rewards of its completion, "
+        "discounted by this factor per token (0: its own reward only)."})
+    epsilon: float = field(default=0.2, metadata={
+        "help": "sampled_token: the importance ratio against the engine that sampled is clipped to [1 - epsilon, "
+        "1 + epsilon_high] (TRL GRPO's names; 1 when HF generate sampled)."})
+    epsilon_high: float | None = field(default=None, metadata={
+        "help": "sampled_token: the upper clip of the importance ratio (default: epsilon)."})
+    task_reward_funcs: list[str] | None = field(default=None, metadata={
+        "help": "sampled_token: reward functions of each sampled completion, added to its tokens' advantages "
+        "(minus the micro-batch's mean): the verifiers eval_reward_funcs takes (built-ins, or module:function with "
+        "TRL's reward signature), given the train row's columns."})
+    task_reward_weight: float = field(default=1.0, metadata={
+        "help": "sampled_token: the weight of the task reward beside the teacher's per-token reward."})
+
+
+def check_objective_args(args) -> None:
+    """One line for on-policy objective settings that cannot work, as the config is built."""
+    from ..evaluation.verifiers import resolve_verifiers
+
+    if isinstance(args.task_reward_funcs, str):  # one name given as a string (a recipe, the API)
+        args.task_reward_funcs = [args.task_reward_funcs]
+    if args.on_policy_objective not in OBJECTIVES:
+        raise ValueError(f"on_policy_objective must be one of {', '.join(OBJECTIVES)}, got "
+                         f"{args.on_policy_objective!r}.")
+    if args.on_policy_objective != "sampled_token":
+        if args.task_reward_funcs:
+            raise ValueError("task_reward_funcs add a task reward to the sampled-token objective's advantages: set "
+                             "on_policy_objective='sampled_token' (with lmbda=1), or drop task_reward_funcs.")
+        return
+    if args.lmbda != 1.0 or args.seq_kd:
+        raise ValueError("on_policy_objective='sampled_token' is a policy gradient on the student's own samples: set "
+                         f"lmbda=1 and seq_kd=False (got lmbda={args.lmbda}, seq_kd={args.seq_kd}).")
+    if args.temperature != 1.0:
+        raise ValueError("on_policy_objective='sampled_token' scores the sampled tokens at the distributions they "
+                         f"were sampled from: set temperature=1 (got {args.temperature}).")
+    if args.teachers is not None and args.teacher_combine != "route":
+        raise ValueError("on_policy_objective='sampled_token' takes one teacher per sampled row: route several "
+                         "teachers (--teacher_combine route), or use on_policy_objective='divergence' to mix them.")
+    if args.cross_tokenizer or args.teacher_tokenizer_name_or_path is not None:
+        raise ValueError("on_policy_objective='sampled_token' reads the teacher's log-prob of the student's own "
+                         "tokens, so the teacher must share the student's tokenizer: drop cross_tokenizer / "
+                         "teacher_tokenizer_name_or_path, or use on_policy_objective='divergence'.")
+    if not 0.0 <= args.sampled_token_discount <= 1.0 or args.sampled_token_kl_coef < 0:
+        raise ValueError(f"sampled_token_discount must be in [0, 1] and sampled_token_kl_coef >= 0, got "
+                         f"{args.sampled_token_discount} and {args.sampled_token_kl_coef}.")
+    if args.epsilon < 0 or (args.epsilon_high is not None and args.epsilon_high < 0) or args.epsilon >= 1:
+        raise ValueError(f"epsilon must be in [0, 1) and epsilon_high >= 0, got {args.epsilon} and "
+                         f"{args.epsilon_high}.")
+    if args.task_reward_funcs:
+        resolve_verifiers(args.task_reward_funcs, args.eval_answer_column or "answer", args.eval_answer_pattern)

@@ -1,0 +1,69 @@
+"""The task reward of the student's own samples (`task_reward_funcs`, the sampled-token objective): each train row's
+columns travel with its batch (`TaskColumnsCollator`), and the reward functions score each sampled completion with
+them, as TRL's GRPO calls its reward functions (``prompts``, ``completions``, every other column by name).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..evaluation.generation import before_first_answer
+from ..evaluation.verifiers import answer_column, resolve_verifiers
+
+TASK_COLUMNS, TASK_REWARDS = "task_columns", "task_rewards"  # batch keys: the rows' columns, the samples' rewards
+# What the SFT collators read of a prepared row; every other column is the row's own, handed to the reward functions
+MODEL_COLUMNS = {"input_ids", "attention_mask", "labels", "completion_mask", "assistant_masks", "position_ids",
+                 "seq_lengths", "token_type_ids"}
+
+
+class Held:
+    """A value a batch carries past the Trainer's `_prepare_inputs` untouched (it casts float tensors, moves others)."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+class TaskColumnsCollator:
+    """Wraps the trainer's collator: takes the rows' own columns (`names`) off each example and adds them to the
+    batch as lists (`TASK_COLUMNS`)."""
+
+    def __init__(self, collator, names: list[str]):
+        self.collator, self.names = collator, names
+
+    def __call__(self, examples: list[dict]) -> dict:
+        columns = {name: [example.get(name) for example in examples] for name in self.names}
+        batch = self.collator([{k: v for k, v in example.items() if k not in self.names} for example in examples])
+        batch[TASK_COLUMNS] = Held(columns)
+        return batch
+
+
+def row_columns(dataset, teacher_columns) -> list[str]:
+    """The prepared train dataset's columns that are the rows' own (not what a collator reads)."""
+    return [name for name in dataset.column_names if name not in MODEL_COLUMNS | set(teacher_columns)]
+
+
+class TaskRewards:
+    """`task_reward_funcs` of one run: the reward of each sampled completion, the functions' scores summed (a
+    None score counts 0)."""
+
+    def __init__(self, args, tokenizer, columns: list[str]):
+        column = answer_column(args.task_reward_funcs, args.eval_answer_column, columns,
+                               "task_reward_funcs compare with an answer column, and the train dataset")
+        self.verifiers = resolve_verifiers(args.task_reward_funcs, column or "answer", args.eval_answer_pattern)
+        self.tokenizer = tokenizer
+
+    def score(self, columns: dict[str, list], completions: list[torch.Tensor]) -> torch.Tensor:
+        """``[B]`` rewards of the sampled `completions` of rows whose own columns are `columns`."""
+        eos = self.tokenizer.eos_token_id
+        ids = [c.tolist() for c in completions]
+        texts = [self.tokenizer.decode([t for t in row if t != eos], skip_special_tokens=True) for row in ids]
+        prompts = columns.get("prompt")
+        conversational = prompts is None and "messages" in columns
+        if conversational:
+            prompts = [before_first_answer(messages) for messages in columns["messages"]]
+            texts = [[{"role": "assistant", "content": text}] for text in texts]
+        total = torch.zeros(len(completions), dtype=torch.float64)
+        for verifier in self.verifiers:
+            scores = verifier.score(prompts or [None] * len(texts), texts, columns, completion_ids=ids)
+            total += torch.tensor([0.0 if s is None else float(s) for s in scores], dtype=torch.float64)
+        return total
