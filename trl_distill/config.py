@@ -23,6 +23,7 @@ from .runtime.guards import GuardFields, check_guard_args
 from .runtime.sequence_parallel import SequenceParallelFields, check_sequence_parallel_args
 from .runtime.validation import refuse_quantization_without_gpu
 from .teacher.fields import CacheFields, SeveralTeachersFields, TeacherFields
+from .teacher.privileged import check_teacher_prompt_args
 from .teacher.resolve import refuse_unsupported
 from .teacher.specs import check_teachers
 
@@ -72,6 +73,8 @@ class DistillationConfig(ReliabilityFields, GenerationEvalFields, GuardFields, S
             Seconds per teacher-server request (3 retries with backoff).
         teacher_server_concurrency (`int`, *optional*, defaults to `4`):
             Teacher-server requests in flight per process.
+        teacher_prompt (`str`, *optional*):
+            The column (or `{column}` template) the teacher reads in place of each row's prompt: privileged context.
 
         > Loss
 
@@ -248,6 +251,7 @@ class DistillationConfig(ReliabilityFields, GenerationEvalFields, GuardFields, S
         check_generation_eval_args(self)
         check_teachers(self)  # several teachers: their entries, weights and modes
         check_objective_args(self)  # on the student's samples: a divergence, or the sampled-token objective
+        check_teacher_prompt_args(self)  # a teacher that reads its own prompt
         refuse_unsupported(self)  # what the run's kind of teacher refuses, where the arguments name both
         for name in ("model_init_kwargs", "teacher_model_init_kwargs"):
             refuse_quantization_without_gpu(getattr(self, name), name)

@@ -59,6 +59,7 @@ def test_recipe_parses_with_command_line_overrides():
         ("two_teachers_on_policy.yaml", {"teacher_combine": "route", "lmbda": 1.0, "divergence": "reverse_kl"}),
         ("sampled_token_task_reward.yaml", {"on_policy_objective": "sampled_token", "lmbda": 1.0,
                                             "task_reward_funcs": ["last_number"]}),
+        ("teacher_prompt.yaml", {"teacher_prompt": "{prompt}\nThe correct answer is {answer}.\n", "lmbda": 1.0}),
     ],
 )
 def test_every_recipe_parses(recipe, expected):
@@ -78,5 +79,5 @@ def test_every_recipe_parses(recipe, expected):
 
 def test_every_shipped_recipe_is_tested():
     tested = {"quickstart.yaml", "lora_student.yaml", "reverse_kl_chat.yaml", "two_teachers.yaml",
-              "two_teachers_on_policy.yaml", "sampled_token_task_reward.yaml"}
+              "two_teachers_on_policy.yaml", "sampled_token_task_reward.yaml", "teacher_prompt.yaml"}
     assert {p.name for p in (CONFIGS / "recipes").glob("*.yaml")} == tested

@@ -188,3 +188,20 @@ def test_routed_teachers_on_the_servers_rollouts_keep_each_tokens_engine_log_pro
         assert out["kd_loss"].item() == pytest.approx(want.item(), rel=1e-4)
     finally:
         trainer.sampler.close()
+
+
+def test_self_distillation_under_the_sampled_token_objective(tiny_pair, tmp_path):
+    """The 'self' teacher is the LoRA student's base, and LoRA starts as the identity: on the first step every
+    sampled token's teacher reward is 0 (only the task reward moves the adapters), and once they have moved the
+    base and the student disagree on the sampled tokens."""
+    from peft import LoraConfig
+
+    args = DistillationConfig(**tiny_run_settings(
+        output_dir=str(tmp_path / "out"), teacher_model_name_or_path="self", per_device_train_batch_size=4,
+        max_steps=3, save_strategy="no", use_cpu=True, learning_rate=5e-2,
+        task_reward_funcs=["oracles:shared_characters_reward"], **SAMPLED))
+    trainer = DistillationTrainer(tiny_pair["student"], args=args, train_dataset=dataset(),
+                                  peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    trainer.train()
+    gap = logged(trainer.state.log_history, "sampled_token_teacher_gap")
+    assert gap[1] == 0.0 and gap[3] != 0.0

@@ -47,11 +47,19 @@ YES = {
     ("cross-tokenizer", "gradient accumulation"): "cross_tokenizer/test_cross_tokenizer_training.py::test_two_processes_with_a_zero3_teacher_of_another_tokenizer",
     ("cross-tokenizer", "LoRA"): "cross_tokenizer/test_cross_tokenizer_training.py::test_a_lora_student_and_a_resumed_run_across_tokenizers",
     ("cross-tokenizer", "cross-tokenizer"): "cross_tokenizer/test_cross_tokenizer_training.py::test_another_tokenizer_switches_on_by_itself_and_the_fused_kd_is_the_models_own",
+    ("live (ZeRO-3)", "sampled-token"): "rollout/test_sampled_token_training.py::test_each_step_is_the_formula_with_a_task_reward_and_two_routed_teachers",
+    ("self", "sampled-token"): "rollout/test_sampled_token_training.py::test_self_distillation_under_the_sampled_token_objective",
+    ("served (vLLM)", "sampled-token"): "rollout/test_sampled_token_training.py::test_a_served_teacher_is_asked_for_the_sampled_tokens_only",
+    ("live (ZeRO-3)", "teacher-prompt"): "teacher/test_privileged.py::test_the_kd_is_the_teachers_reading_of_its_own_prompt_aligned_on_the_completion",
+    ("served (vLLM)", "teacher-prompt"): "teacher/test_privileged.py::test_a_served_teacher_reads_its_own_prompt",
 }
 
 # How to ask for each refused mode: the run's settings, and whether the trainer (not the config) refuses it.
 MODE_SETTINGS = {"on-policy": dict(lmbda=0.5, max_new_tokens=4), "packing": dict(packing=True),
-                 "cross-tokenizer": dict(cross_tokenizer=True), "eval": {}}
+                 "cross-tokenizer": dict(cross_tokenizer=True), "eval": {},
+                 "sampled-token": dict(lmbda=1.0, max_new_tokens=4, on_policy_objective="sampled_token",
+                                       temperature=1.0),
+                 "teacher-prompt": dict(teacher_prompt="{prompt}")}
 
 
 def cells(value: str) -> list[tuple[str, str]]:

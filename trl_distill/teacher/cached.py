@@ -12,6 +12,7 @@ from ..cache.reader import TeacherCache
 from ..data.batch import SIGNAL, SignalHolder, pop_signal
 from .base import TeacherSource
 from .rows import SparseRows
+from .support import TEACHER_PROMPT_REFUSAL
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ class CachedTeacher(TeacherSource):
     refused = {
         "on-policy": ON_POLICY_REFUSAL,
         "sampled-token": ON_POLICY_REFUSAL,  # (on the student's own samples: lmbda 1)
+        "teacher-prompt": TEACHER_PROMPT_REFUSAL,
         "packing": "Training from a teacher cache does not support packing / padding_free yet: the cache holds one "
         "row per unpacked example. Set packing=False and padding_free=False.",
         "eval": "Evaluation needs the teacher's distribution on the eval split, which the teacher cache does not hold: "

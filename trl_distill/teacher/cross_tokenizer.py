@@ -27,6 +27,7 @@ from ..loss.signal import TeacherSignal
 from ..runtime.validation import check_teacher_finite
 from .base import TeacherBatch
 from .live import LiveTeacher
+from .support import TEACHER_PROMPT_REFUSAL
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class CrossTokenizerTeacher(LiveTeacher):
     columns = COLUMNS
     refused = {
         "packing": _REFUSAL.format("packing / padding_free"),
+        "teacher-prompt": TEACHER_PROMPT_REFUSAL,
         "sampled-token": "on_policy_objective='sampled_token' reads the teacher's log-prob of the student's own "
         "sampled tokens, and a teacher with another tokenizer has no log-prob of them: use on_policy_objective="
         "'divergence' (it scores the samples re-tokenized), or a teacher on the student's tokenizer.",

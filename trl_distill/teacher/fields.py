@@ -92,6 +92,13 @@ class TeacherFields:
     teacher_server_concurrency: int = field(
         default=4, metadata={"help": "Teacher-server requests in flight per process."}
     )
+    teacher_prompt: str | None = field(
+        default=None,
+        metadata={"help": "A teacher that sees more than the student: the dataset column the teacher reads in place of "
+                  "each row's prompt (e.g. the prompt with its golden answer), or a template of the row's columns "
+                  "('{prompt} (answer: {answer})'); the loss is on the completion, which both read. Live or served "
+                  "teacher, on and off the policy."},
+    )
 
 
 @dataclass

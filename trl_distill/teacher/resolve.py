@@ -20,7 +20,7 @@ from .registry import BuildContext, build_teacher, describe, register_teacher_ki
 from .self_distill import SELF, SelfTeacher
 from .served import ServedTeacher
 from .specs import TeacherSpec
-from .support import ARGS_MODES, active_modes, matrix
+from .support import ARGS_MODES, TEACHER_PROMPT_REFUSAL, active_modes, matrix
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,19 @@ def resolve_teacher(teacher_model, args, *, student, processing_class, eval_data
     if not specs:
         raise ValueError("No teacher: pass `teacher_model=` or set `teacher_model_name_or_path` in the config (or set "
                          "alpha=0 to train on the cross-entropy alone, as trl.SFTTrainer does).")
-    return build_teacher(specs[0], context, eval_dataset=eval_dataset, peft=peft)
+    teacher = build_teacher(specs[0], context, eval_dataset=eval_dataset, peft=peft)
+    return teacher if args.teacher_prompt is None else privileged(teacher, args, context)
+
+
+def privileged(teacher: TeacherSource, args, context: BuildContext) -> TeacherSource:
+    """`teacher` reading `teacher_prompt` in place of each row's prompt: a live teacher on the student's tokenizer,
+    or a served one (`privileged.PrivilegedTeacher`)."""
+    from .privileged import PrivilegedTeacher
+
+    if type(teacher) not in (LiveTeacher, ServedTeacher):  # (each other kind refuses the mode itself)
+        raise ValueError(TEACHER_PROMPT_REFUSAL)
+    tokenizer = context.processing_class or tokenizer_of(context.student)
+    return PrivilegedTeacher(teacher, args.teacher_prompt, getattr(tokenizer, "tokenizer", tokenizer))
 
 
 def _check_single_teacher_flags(teacher_model, args) -> None:

@@ -11,6 +11,7 @@ from ..runtime.validation import check_teacher_finite
 from .base import TeacherSource
 from .live import as_is
 from .rows import DenseRows
+from .support import TEACHER_PROMPT_REFUSAL
 
 SELF = "self"
 
@@ -21,6 +22,7 @@ class SelfTeacher(TeacherSource):
 
     name = SELF
     refused = {
+        "teacher-prompt": TEACHER_PROMPT_REFUSAL,
         "cross-tokenizer": "teacher 'self' is the student's own base model and shares its tokenizer: cross-tokenizer "
         "distillation does not apply. Drop teacher_tokenizer_name_or_path and cross_tokenizer.",
     }

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-Mode = Literal["off-policy", "on-policy", "sampled-token", "packing", "eval", "gradient accumulation", "LoRA",
-               "cross-tokenizer"]
-MODES: tuple[Mode, ...] = ("off-policy", "on-policy", "sampled-token", "packing", "eval", "gradient accumulation",
-                           "LoRA", "cross-tokenizer")
+Mode = Literal["off-policy", "on-policy", "sampled-token", "teacher-prompt", "packing", "eval", "gradient accumulation",
+               "LoRA", "cross-tokenizer"]
+MODES: tuple[Mode, ...] = ("off-policy", "on-policy", "sampled-token", "teacher-prompt", "packing", "eval",
+                           "gradient accumulation", "LoRA", "cross-tokenizer")
 
-ARGS_MODES: tuple[Mode, ...] = ("on-policy", "sampled-token", "packing", "cross-tokenizer")
+ARGS_MODES: tuple[Mode, ...] = ("on-policy", "sampled-token", "teacher-prompt", "packing", "cross-tokenizer")
+
+TEACHER_PROMPT_REFUSAL = ("teacher_prompt gives the teacher its own prompt in place of each row's: it needs a live "
+                          "teacher on the student's tokenizer or a served one (not 'self', a cache or a teacher of "
+                          "another tokenizer). Drop teacher_prompt, or name such a teacher.")
 """The modes the arguments alone decide (refused as the config is built)."""
 
 
@@ -23,6 +27,7 @@ def active_modes(args, *, eval_dataset=None, peft: bool = False) -> list[Mode]:
         "off-policy": args.lmbda < 1,
         "on-policy": args.lmbda > 0 or bool(args.seq_kd),
         "sampled-token": args.on_policy_objective == "sampled_token",
+        "teacher-prompt": args.teacher_prompt is not None,
         "packing": bool(args.packing or args.padding_free),
         "eval": eval_dataset is not None,
         "gradient accumulation": args.gradient_accumulation_steps > 1,

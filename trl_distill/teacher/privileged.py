@@ -1,0 +1,226 @@
+"""A teacher that sees more than the student (`teacher_prompt`): the teacher reads its own prompt (a dataset column,
+or a template of the row's columns: the golden answer, a teacher-only system prompt) in place of the student's, and
+both score the same completion.
+
+`PrivilegedTeacher` wraps a live or served teacher. Each row's teacher prompt is tokenized as the data is prepared
+(a string as SFT tokenizes a prompt, a list of messages with the chat template and its generation prompt); for every
+batch, its teacher rows are the teacher prompt followed by the student row's completion tokens (the dataset's, or
+the student's own samples on-policy). Completion token j sits at ``P_s + j`` in the student's row and ``P_t + j``
+in the teacher's, so a loss position t of the student (predicting token t + 1) is ``t − P_s + P_t`` in the
+teacher's; both take their loss rows row by row, in position order, so the n rows pair up one to one.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..rollout.task_rewards import Held
+from .base import TeacherBatch, TeacherSource
+
+TEACHER_PROMPT = "teacher_prompt_ids"  # the prepared column and the batch key: each row's teacher prompt, tokenized
+_FIELD = re.compile(r"{([^{}]+)}")
+
+
+def check_teacher_prompt_args(args) -> None:
+    """What `teacher_prompt` cannot combine with, one line each as the config is built."""
+    if args.teacher_prompt is None:
+        return
+    refusals = [
+        (args.packing or args.padding_free, "rows cannot be packed: set packing=False and padding_free=False"),
+        (args.teachers is not None, "it takes one teacher (several teachers with their own prompts are not "
+                                    "supported yet): pass one with --teacher_model_name_or_path or --teacher_server"),
+        (args.seq_kd, "seq_kd would sample from the teacher's prompts: set seq_kd=False"),
+        (bool(args.cross_tokenizer) or args.teacher_tokenizer_name_or_path is not None,
+         "the teacher must read the student's tokens of the completion: drop cross_tokenizer / "
+         "teacher_tokenizer_name_or_path"),
+        (getattr(args, "sequence_parallel_size", 1) > 1, "rows are split over ranks under sequence parallelism: set "
+                                                         "sequence_parallel_size=1"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ValueError(f"teacher_prompt gives the teacher its own prompt in place of each row's, and {why}.")
+
+
+class PrivilegedTeacher(TeacherSource):
+    """`inner` (a live or served teacher) reading `spec` (a column name, or a ``{column}`` template) as its prompt."""
+
+    def __init__(self, inner: TeacherSource, spec: str, tokenizer):
+        self.inner, self.spec, self.tokenizer = inner, spec, tokenizer
+        self.refused = inner.refused
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return (*self.inner.columns, TEACHER_PROMPT)
+
+    @property
+    def name(self) -> str:
+        return f"{self.inner.name} (teacher_prompt {self.spec})"
+
+    @property
+    def config_notes(self) -> list[str]:
+        return self.inner.config_notes
+
+    def describe(self) -> str:
+        return f"{self.inner.describe()} reading teacher_prompt {self.spec!r}"
+
+    def plugins(self, args, student_plugin) -> dict:
+        return self.inner.plugins(args, student_plugin)
+
+    def vocab_config(self, student_config):
+        return self.inner.vocab_config(student_config)
+
+    # ---- The teacher's prompt of each row ----
+
+    def prompt_of(self, row: dict, split: str, index: int):
+        """Row `index`'s teacher prompt: its column `spec`, or `spec` filled with its columns."""
+        if _FIELD.search(self.spec) is None:
+            if self.spec not in row:
+                raise ValueError(f"teacher_prompt={self.spec!r} names a column the {split} dataset does not have "
+                                 f"({', '.join(row)}): add it, or give a template of its columns such as "
+                                 "'{prompt} (answer: {answer})'.")
+            return row[self.spec]
+        missing = [name for name in _FIELD.findall(self.spec) if name not in row]
+        if missing:
+            raise ValueError(f"teacher_prompt's template {self.spec!r} reads {missing}, which row {index} of the "
+                             f"{split} dataset does not have ({', '.join(row)}).")
+        return self.spec.format(**{name: row[name] for name in _FIELD.findall(self.spec)})
+
+    def tokenized(self, prompt) -> list[int]:
+        if isinstance(prompt, list):  # messages: as SFT tokenizes a conversational prompt
+            return list(self.tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True,
+                                                           return_dict=False))
+        return self.tokenizer(text=prompt)["input_ids"]
+
+    def prepare_dataset(self, dataset, name: str):
+        dataset = self.inner.prepare_dataset(dataset, name)
+        if not hasattr(dataset, "add_column"):
+            return dataset
+        ids = [self.tokenized(self.prompt_of(row, name, i)) for i, row in enumerate(dataset)]
+        return dataset.add_column(TEACHER_PROMPT, ids)
+
+    def train_rows(self, dataset):
+        """Each prepared row's loss must be its whole completion (prompt-completion rows, unpacked)."""
+        if "completion_mask" in getattr(dataset, "column_names", ()):
+            for i, mask in enumerate(dataset["completion_mask"]):
+                if 1 in mask and 0 in mask[mask.index(1):]:
+                    raise ValueError(f"teacher_prompt replaces each row's prompt, so each row's loss must be its one "
+                                     f"completion to the end; row {i} has loss tokens in several stretches (a "
+                                     "conversation with several assistant turns): use prompt-completion rows.")
+        return self.inner.train_rows(dataset)
+
+    # ---- Once the trainer exists ----
+
+    def attach(self, context) -> None:
+        super().attach(context)
+        self.inner.attach(context)
+
+    def collator(self, base):
+        inner_view = self.inner
+
+        def collate(examples: list[dict]) -> dict:
+            prompts = [torch.tensor(example[TEACHER_PROMPT], dtype=torch.long) for example in examples]
+            batch = base([{k: v for k, v in example.items() if k != TEACHER_PROMPT} for example in examples])
+            batch[TEACHER_PROMPT] = Held(prompts)
+            self._score(inner_view, batch)  # a served teacher's request, on the teacher's rows
+            return batch
+
+        return collate
+
+    def _score(self, inner, batch: dict, source: dict | None = None) -> None:
+        """The inner teacher's additions (a server's signal) for `batch`'s teacher rows, added to `batch`."""
+        view = teacher_rows(batch, batch[TEACHER_PROMPT].value, self._pad_id())
+        before = set(view)
+        inner.score_sampled(view, source)
+        for key in set(view) - before:
+            batch[key] = view[key]
+
+    def _pad_id(self) -> int:
+        return getattr(self.tokenizer, "pad_token_id", None) or 0
+
+    def prepare(self, accelerator, device: torch.device) -> None:
+        self.inner.prepare(accelerator, device)
+
+    def logit_candidates(self, model_inputs: dict, extras) -> list:
+        return self.inner.logit_candidates(model_inputs, None if extras is None else extras[1])
+
+    def pop_batch(self, inputs: dict):
+        prompts = inputs.pop(TEACHER_PROMPT, None)
+        return prompts, self.inner.pop_batch(inputs)
+
+    def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> TeacherBatch:
+        prompts, own = extras
+        starts = completion_starts_from_mask(mask, keep, model_inputs["input_ids"].shape[1])
+        view = teacher_rows(model_inputs, prompts.value, self._pad_id(), starts)
+        teacher_mask = torch.zeros_like(view["input_ids"], dtype=torch.bool)
+        for b in range(mask.shape[0]):
+            positions = keep[mask[b]] - starts[b] + len(prompts.value[b])
+            teacher_mask[b, positions.to(teacher_mask.device)] = True
+        teacher_keep = teacher_mask.any(0).nonzero().squeeze(1)
+        teacher_mask = teacher_mask[:, teacher_keep]
+        inputs = {k: v for k, v in view.items() if k != "labels"}
+        return ShiftedBatch(self.inner.for_batch(inputs, own, teacher_mask, teacher_keep), teacher_mask)
+
+    def score_sampled(self, batch: dict, source: dict | None = None) -> None:
+        """The student's samples of the prompts of `source`: each keeps its row's teacher prompt."""
+        batch[TEACHER_PROMPT] = source[TEACHER_PROMPT]
+        self._score(self.inner, batch, source)
+
+    @property
+    def scores_samples(self) -> bool:
+        return self.inner.scores_samples
+
+    def after_loss(self) -> None:
+        self.inner.after_loss()
+
+    def release(self) -> None:
+        self.inner.release()
+
+
+class ShiftedBatch(TeacherBatch):
+    """The inner teacher's batch over its own rows: its loss rows are its `mask`'s, in the student's row order."""
+
+    def __init__(self, inner: TeacherBatch, mask: torch.Tensor):
+        self.inner, self.mask = inner, mask
+
+    @property
+    def heads(self) -> tuple:
+        return self.inner.heads
+
+    def signal(self, rows, n: int, settings, picks=None):
+        return self.inner.signal(self.mask.reshape(-1).nonzero().squeeze(1), n, settings)
+
+
+def completion_starts_from_mask(mask: torch.Tensor, keep: torch.Tensor, width: int) -> list[int]:
+    """Each row's first completion token: one past its first loss position (`mask` ``[B, K]`` over the kept
+    positions `keep`); a row without loss tokens: `width` (no completion)."""
+    starts = []
+    for row in mask:
+        hits = keep[row]
+        starts.append(int(hits[0]) + 1 if len(hits) else width)
+    return starts
+
+
+def teacher_rows(batch: dict, prompts: list[torch.Tensor], pad_id: int, starts: list[int] | None = None) -> dict:
+    """The teacher's rows of `batch`: each row's teacher prompt, then the row's completion tokens (from its first
+    completion token, `starts` or its first label, to its last attended one), right-padded; labels on the
+    completion."""
+    ids, attention = batch["input_ids"], batch.get("attention_mask")
+    if starts is None:
+        labels = batch["labels"]
+        starts = [int((row != -100).nonzero()[0]) if bool((row != -100).any()) else ids.shape[1] for row in labels]
+    rows, lengths = [], []
+    for b in range(ids.shape[0]):
+        end = ids.shape[1] if attention is None else int(attention[b].sum())
+        completion = ids[b, starts[b]:end]
+        rows.append(torch.cat([prompts[b].to(ids.device), completion]))
+        lengths.append(len(prompts[b]))
+    width = max(len(r) for r in rows)
+    out_ids = torch.full((len(rows), width), pad_id, dtype=ids.dtype, device=ids.device)
+    out_mask = torch.zeros_like(out_ids)
+    out_labels = torch.full_like(out_ids, -100)
+    for b, (row, length) in enumerate(zip(rows, lengths, strict=True)):
+        out_ids[b, :len(row)], out_mask[b, :len(row)] = row, 1
+        out_labels[b, length:len(row)] = row[length:]
+    return {"input_ids": out_ids, "attention_mask": out_mask, "labels": out_labels}
