@@ -107,7 +107,7 @@ clean:
 # Evidence that distillation works: KD vs SFT-only students on the Python stdlib's own source, 3 seeds, through the
 # CLI. Writes benchmarks/quality/results/kd_vs_sft.{json,md,png} and the table in docs/benchmarks.md: 19 CPU-minutes; 15.8 min wall
 # measured on a fresh clone with the 2 cores partly shared (load average 3).
-.PHONY: experiment experiment-cross experiment-multi
+.PHONY: experiment experiment-cross experiment-multi experiment-multi-on-policy experiment-objective
 # Cross-tokenizer KD vs SFT-only (a teacher with a BPE-4096 tokenizer, students with a BPE-2048 one of other merges),
 # 3 seeds: writes benchmarks/quality/results/cross_tokenizer_kd.{json,md,png} and the table in docs/benchmarks.md (about 7 minutes)
 experiment-cross: setup
@@ -119,6 +119,17 @@ experiment-cross: setup
 # the union (about 30 minutes). Writes benchmarks/quality/results/multi_teacher_kd.{json,md} and its docs table
 experiment-multi: setup
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality/multi_teacher_kd.py
+
+# The same two experts on the students' own samples (MOPD: lmbda 1, reverse KL): each alone and both routed, 3 seeds
+# (about 35 minutes, teachers included). Writes benchmarks/quality/results/multi_teacher_on_policy_kd.{json,md}
+experiment-multi-on-policy: setup
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality/multi_teacher_kd.py --on_policy
+
+# The on-policy objectives on worked multiplication: the sampled-token policy gradient alone and with the verifier as
+# its task reward, against the full-distribution reverse KL and SFT-only, 3 seeds (about 45 minutes, teacher included).
+# Writes benchmarks/quality/results/on_policy_kd_objective.{json,md}
+experiment-objective: setup
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality/on_policy_kd.py --plan objective
 
 experiment: setup vllm-env
 	$(BIN)/python -m pip install --quiet -e ".[bench]"

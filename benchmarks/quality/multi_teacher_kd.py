@@ -43,12 +43,15 @@ sys.path.insert(0, str(HERE.parent))  # benchmarks/
 import arithmetic_task  # noqa: E402
 from _common import machine, replace_readme_block  # noqa: E402
 from kd_vs_sft import cli, say  # noqa: E402
-from multi_teacher_report import METHODS, markdown, summarize  # noqa: E402
-from on_policy_kd import SIZES, eval_flags, score, untrained_models  # noqa: E402
+from multi_teacher_report import METHODS, ON_POLICY, markdown, summarize  # noqa: E402
+from on_policy_kd import NEW_TOKENS, SIZES, eval_flags, score, untrained_models  # noqa: E402
 from on_policy_report import curve_of  # noqa: E402
 
 TASKS = {"mul": "multiplication", "add": "addition"}  # the teacher (routing) name: its task
 README_START, README_END = "<!-- experiment:multi_teacher:start -->", "<!-- experiment:multi_teacher:end -->"
+ON_POLICY_MARKERS = ("<!-- experiment:multi_teacher_on_policy:start -->",
+                     "<!-- experiment:multi_teacher_on_policy:end -->")
+ON_POLICY_OBJECTIVE = "reverse KL on the student's own samples (lmbda 1, HF generate, 48 new tokens)"
 PLANS = {
     "full": dict(seeds=[1, 2, 3], train_rows=100000, test_rows=500, curve_prompts=200, teacher_steps=5000,
                  teacher_batch=32, warm_steps=2000, steps=1000, batch=32, eval_every=100),
@@ -86,6 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work_dir", default=None, help="default outputs/multi_teacher_kd")
     parser.add_argument("--reuse_teachers", action="store_true",
                         help="keep the teachers an earlier run of the same plan trained in --work_dir")
+    parser.add_argument("--on_policy", action="store_true",
+                        help="the students on their own samples instead (MOPD: lmbda 1, reverse KL): each teacher "
+                        "alone and both routed; writes multi_teacher_on_policy_kd.{json,md}")
     args = parser.parse_args(argv)
     name = "smoke" if args.smoke else "full"
     plan = dict(PLANS[name])
@@ -129,35 +135,43 @@ def main(argv: list[str] | None = None) -> None:
 
     def student(method: str, seed: int) -> dict:
         teacher, alpha, extra = None, 1.0, dict(eval_flags(plan))
-        if method == "sft":
+        if method.startswith("on-policy"):
+            extra |= {"lmbda": 1.0, "max_new_tokens": NEW_TOKENS}
+        plain = method.removeprefix("on-policy ")
+        if plain == "sft":
             alpha = 0.0
-        elif method in (f"{task} only" for task in TASKS):
-            teacher = teachers[method.split()[0]]
+        elif plain in (f"{task} only" for task in TASKS):
+            teacher = teachers[plain.split()[0]]
         else:
             extra |= {"teachers": [f"{task}={teachers[task]}" for task in TASKS],
-                      "teacher_combine": "route" if method == "both routed" else "mixture"}
+                      "teacher_combine": "route" if plain == "both routed" else "mixture"}
         out = work / "students" / f"{method.replace(' ', '_')}_s{seed}"
         seconds = cli(work / "warm" / f"s{seed}", teacher, out, data=data, steps=plan["steps"], batch=plan["batch"],
-                      seed=seed, alpha=alpha, divergence="forward_kl", save_every=None, extra=extra)
+                      seed=seed, alpha=alpha, divergence="reverse_kl" if method.startswith("on-policy") else
+                      "forward_kl", save_every=None, extra=extra)
         result = score_tasks(out, teachers, test)
         say(f"{method} seed {seed}: union {result['pass@1']:.3f} (" +
             ", ".join(f"{t} {r['pass@1']:.3f}" for t, r in result["tasks"].items()) + f"), {seconds:.0f} s")
         return {"method": method, "seed": seed, "seconds": seconds, **result, **curve_of(out)}
 
+    methods = ON_POLICY if args.on_policy else METHODS
     with ThreadPoolExecutor(max_workers=2) as pool:
-        runs = list(pool.map(lambda job: student(*job), [(m, s) for m in METHODS for s in plan["seeds"]]))
+        runs = list(pool.map(lambda job: student(*job), [(m, s) for m in methods for s in plan["seeds"]]))
     report = {"plan": plan, "tasks": TASKS, "sizes": SIZES, "runs": runs, "warm": warmed, "teachers": teacher_scores,
-              "seconds": time.time() - begin, "machine": machine()}
+              "seconds": time.time() - begin, "machine": machine(), "methods": list(methods)}
+    if args.on_policy:
+        report["objective"] = ON_POLICY_OBJECTIVE
     report["summary"] = summarize(report)
     for run in report["runs"] + report["warm"] + list(report["teachers"].values()):
         run["passed"] = "".join(str(int(p)) for p in run["passed"])  # kept per prompt, compactly
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "multi_teacher_kd.json").write_text(json.dumps(report, indent=2) + "\n")
+    stem = "multi_teacher_on_policy_kd" if args.on_policy else "multi_teacher_kd"
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     table = markdown(report)
-    (out / "multi_teacher_kd.md").write_text("# Two expert teachers: students judged by what they generate\n\n" + table)
+    (out / f"{stem}.md").write_text("# Two expert teachers: students judged by what they generate\n\n" + table)
     if not args.smoke:
-        replace_readme_block((README_START, README_END), table)
+        replace_readme_block(ON_POLICY_MARKERS if args.on_policy else (README_START, README_END), table)
     print(table)
 
 

@@ -9,6 +9,14 @@ from on_policy_report import area, paired
 
 METHODS = ("sft", "mul only", "add only", "both routed", "both mixed")
 SINGLE = ("mul only", "add only")
+ON_POLICY = ("on-policy mul only", "on-policy add only", "on-policy both routed")
+"""The same students on their own samples (``--on_policy``: lmbda 1, reverse KL): MOPD against each single teacher."""
+
+
+def singles_of(method: str) -> tuple[str, ...]:
+    """The single-teacher students a two-teacher `method` is compared with: those trained the same way."""
+    prefix = method.split("both")[0]
+    return tuple(prefix + single for single in SINGLE)
 
 
 def summarize(report: dict) -> dict:
@@ -18,7 +26,7 @@ def summarize(report: dict) -> dict:
     seeds, tasks = report["plan"]["seeds"], list(report["tasks"])
     by = {(r["method"], r["seed"]): r for r in report["runs"]}
     out = {}
-    for method in METHODS:
+    for method in report.get("methods", METHODS):
         runs = [by[method, s] for s in seeds if (method, s) in by]
         if len(runs) < len(seeds):
             continue
@@ -27,9 +35,9 @@ def summarize(report: dict) -> dict:
                "teacher_nll": {t: statistics.mean(r["tasks"][t]["teacher_nll"] for r in runs) for t in tasks},
                "area": statistics.mean(area(r["curve"]) for r in runs),
                "seconds": statistics.mean(r["seconds"] for r in runs)}
-        if method.startswith("both"):
-            for single in SINGLE:
-                versus = [paired(by[method, s]["passed"], by[single, s]["passed"]) for s in seeds]
+        if "both" in method:
+            for single, named in zip(SINGLE, singles_of(method), strict=True):
+                versus = [paired(by[method, s]["passed"], by[named, s]["passed"]) for s in seeds]
                 row[single] = {"deltas": [d for d, _ in versus], "standard_errors": [se for _, se in versus],
                                "ahead": sum(d > 0 for d, _ in versus),
                                "beyond_3se": sum(d > 3 * se for d, se in versus)}
@@ -72,8 +80,9 @@ def markdown(report: dict) -> str:
               f"on. Teachers after {plan['teacher_steps']} steps of {plan['teacher_batch']} rows of their own "
               f"task only: {teachers}. Students SFT-warm-started {plan['warm_steps']} steps on the union: {warm}. "
               f"Each method then trains {plan['steps']} steps of {plan['batch']} union rows from the same warm "
-              "checkpoint and data order; KD at alpha 1, forward KL, temperature 1. \"vs\": the union's difference "
-              "from that single-teacher student, mean over seeds, with the paired standard error on the same prompts. "
+              f"checkpoint and data order; KD at alpha 1, {report.get('objective', 'forward KL')}, temperature 1. "
+              "\"vs\": the union's difference from that single-teacher student (trained the same way), mean over "
+              "seeds, with the paired standard error on the same prompts. "
               f"Mean pass@1 over the run: the area under the run's own curve (its first {plan['curve_prompts']} test "
               f"prompts, both tasks, every {plan['eval_every']} steps). Teacher NLL: per token of the student's "
               f"completions under that task's expert. {m['cpus']} CPUs, torch {m['torch']}, {m['date']}; "

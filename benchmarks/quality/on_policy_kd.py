@@ -45,6 +45,8 @@ from kd_vs_sft import cli, say  # noqa: E402
 from on_policy_report import curve_of, markdown, summarize  # noqa: E402
 
 MARKERS = {"full": ("<!-- experiment:on-policy:start -->", "<!-- experiment:on-policy:end -->"),
+           "objective": ("<!-- experiment:on-policy-objective:start -->",
+                         "<!-- experiment:on-policy-objective:end -->"),
            "warmer": ("<!-- experiment:on-policy-warmer:start -->", "<!-- experiment:on-policy-warmer:end -->")}
 NEW_TOKENS = 48  # a completion is about 40 tokens and its EOS
 SIZES = {
@@ -59,6 +61,11 @@ METHODS = {  # name: (alpha, divergence, extra CLI flags; "vllm": the student's 
     "mixed λ=0.5 reverse KL": (1.0, "reverse_kl", {"lmbda": 0.5}),
     "on-policy JSD": (1.0, "jsd", {"lmbda": 1.0}),
     "on-policy forward KL": (1.0, "forward_kl", {"lmbda": 1.0}),
+    # the sampled-token objective (issue 44): the policy gradient on the sampled tokens, alone and with the task's
+    # verifier as its reward
+    "on-policy sampled-token": (1.0, "reverse_kl", {"lmbda": 1.0, "on_policy_objective": "sampled_token"}),
+    "on-policy sampled-token + task reward": (1.0, "reverse_kl", {"lmbda": 1.0, "on_policy_objective": "sampled_token",
+                                                                  "task_reward_funcs": "last_number"}),
 }
 MAIN = ["sft", "off-policy forward KL", "on-policy reverse KL", "on-policy reverse KL, vLLM rollouts",
         "mixed λ=0.5 reverse KL", "on-policy JSD"]
@@ -69,6 +76,12 @@ PLANS = {
     "warmer": dict(seeds=[1, 2, 3], train_rows=100000, test_rows=1000, curve_prompts=200, teacher_steps=5000,
                    teacher_batch=32, warm_steps=4000, steps=800, batch=32, eval_every=100,
                    methods=["sft", "off-policy forward KL", "on-policy reverse KL", "on-policy forward KL"]),
+    # the on-policy objectives side by side (issue 44): the sampled-token policy gradient, with and without the task
+    # reward, against the full-distribution reverse KL and SFT-only
+    "objective": dict(seeds=[1, 2, 3], train_rows=100000, test_rows=1000, curve_prompts=200, teacher_steps=5000,
+                      teacher_batch=32, warm_steps=2000, steps=800, batch=32, eval_every=100,
+                      methods=["sft", "on-policy reverse KL", "on-policy sampled-token",
+                               "on-policy sampled-token + task reward"], bases=["sft", "on-policy reverse KL"]),
     "smoke": dict(seeds=[1], train_rows=400, test_rows=12, curve_prompts=6, teacher_steps=8, teacher_batch=8,
                   warm_steps=4, steps=4, batch=4, eval_every=2, methods=["sft", "on-policy reverse KL"]),
 }
@@ -138,8 +151,9 @@ def eval_flags(plan: dict) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--plan", choices=["full", "warmer"], default="full",
-                        help="warmer: students warm-started 4000 steps instead of 2000 (4 methods)")
+    parser.add_argument("--plan", choices=["full", "warmer", "objective"], default="full",
+                        help="warmer: students warm-started 4000 steps instead of 2000 (4 methods); objective: the "
+                        "sampled-token objective, with and without the task reward, against reverse KL and SFT")
     parser.add_argument("--output_dir", default=str(HERE / "results"))
     parser.add_argument("--work_dir", default=None)
     parser.add_argument("--reuse_teacher", action="store_true",

@@ -70,7 +70,7 @@ def summarize(report: dict) -> dict:
         if "sft" in methods:
             equal = [at_seconds(by[method, s], by["sft", s]["train_runtime"]) for s in seeds]
             row["at_sft_seconds"] = statistics.mean(equal) if None not in equal else None
-        for base in BASES:
+        for base in report["plan"].get("bases", BASES):
             if base in methods and base != method:
                 versus = [paired(by[method, s]["passed"], by[base, s]["passed"]) for s in seeds]
                 row[base] = {"deltas": [d for d, _ in versus], "standard_errors": [se for _, se in versus],
@@ -84,8 +84,9 @@ def summarize(report: dict) -> dict:
 def markdown(report: dict) -> str:
     seeds, summary, plan = report["plan"]["seeds"], report["summary"], report["plan"]
     by = {(r["method"], r["seed"]): r for r in report["runs"]}
-    lines = ["| method | " + " | ".join(f"pass@1 seed {s}" for s in seeds) + " | mean | vs SFT-only (seeds > 3 SE) | "
-             "vs off-policy forward KL (seeds > 3 SE) | mean pass@1 over the run | at SFT's wall-clock | teacher NLL "
+    first, second = plan.get("bases", BASES)
+    lines = ["| method | " + " | ".join(f"pass@1 seed {s}" for s in seeds) + f" | mean | vs {first} (seeds > 3 SE) | "
+             f"vs {second} (seeds > 3 SE) | mean pass@1 over the run | at SFT's wall-clock | teacher NLL "
              "of samples | teacher-forced CE | s per run |", "|---|" + "---|" * (len(seeds) + 8)]
 
     def versus(row: dict, base: str) -> str:
@@ -101,8 +102,8 @@ def markdown(report: dict) -> str:
     for method, row in summary.items():
         cells = [f"{100 * by[method, s]['pass@1']:.1f}" for s in seeds]
         equal = None if row.get("at_sft_seconds") is None else 100 * row["at_sft_seconds"]
-        lines.append(f"| {method} | " + " | ".join(cells) + f" | {100 * row['pass@1']:.1f} | {versus(row, 'sft')} | "
-                     f"{versus(row, 'off-policy forward KL')} | {100 * row['area']:.1f} | {number(equal, '.1f')} | "
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | {100 * row['pass@1']:.1f} | {versus(row, first)} | "
+                     f"{versus(row, second)} | {100 * row['area']:.1f} | {number(equal, '.1f')} | "
                      f"{row['teacher_nll']:.3f} | {number(row['teacher_forced_ce'])} | {row['seconds']:.0f} |")
     teacher, warm, m = report["teacher"], report["warm"], report["machine"]
     warm_text = ", ".join(f"{100 * w['pass@1']:.1f} (seed {w['seed']})" for w in warm)

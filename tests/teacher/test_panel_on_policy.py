@@ -209,3 +209,16 @@ def test_mixed_and_summed_teachers_on_the_students_samples_are_their_formulas(ti
         trainer.current_gradient_accumulation_steps = 1
         _, outputs = trainer.compute_loss(trainer.model, dict(sampled), return_outputs=True)
     assert outputs["kd_loss"].item() == pytest.approx(expected.item(), rel=1e-4)
+
+
+def test_a_teacher_of_another_tokenizer_routed_on_the_students_samples(tiny_pair, other_teacher, tmp_path):
+    """Routed live + cross-tokenizer teacher on the student's samples: the cross-tokenizer teacher re-reads its rows
+    of the samples in its own tokens (its forward on the whole batch, the loss picking its rows); every step's parts
+    add up to the KD and each teacher teaches its rows."""
+    teachers = [f"live={tiny_pair['teacher']}", f"other={other_teacher}"]
+    history = trained(trainer_for(tiny_pair, tmp_path, dataset(["live", "other"]), teachers=teachers, **ON_POLICY))
+    assert [h["on_policy_fraction"] for h in history if "on_policy_fraction" in h] == [1.0] * 3
+    for step, kd in logged(history, "kd_loss").items():
+        parts = [logged(history, f"kd_loss/{name}")[step] for name in ("live", "other")]
+        assert sum(parts) == pytest.approx(kd, rel=1e-6) and all(part > 0 for part in parts)
+        assert 0 < logged(history, "teacher_tokens/other")[step] < 1
