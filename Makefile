@@ -107,7 +107,7 @@ clean:
 # Evidence that distillation works: KD vs SFT-only students on the Python stdlib's own source, 3 seeds, through the
 # CLI. Writes benchmarks/quality/results/kd_vs_sft.{json,md,png} and the table in docs/benchmarks.md: 19 CPU-minutes; 15.8 min wall
 # measured on a fresh clone with the 2 cores partly shared (load average 3).
-.PHONY: experiment experiment-cross experiment-multi experiment-multi-on-policy experiment-objective
+.PHONY: experiment experiment-cross experiment-multi experiment-multi-on-policy experiment-objective experiment-privileged
 # Cross-tokenizer KD vs SFT-only (a teacher with a BPE-4096 tokenizer, students with a BPE-2048 one of other merges),
 # 3 seeds: writes benchmarks/quality/results/cross_tokenizer_kd.{json,md,png} and the table in docs/benchmarks.md (about 7 minutes)
 experiment-cross: setup
@@ -130,6 +130,11 @@ experiment-multi-on-policy: setup
 # Writes benchmarks/quality/results/on_policy_kd_objective.{json,md}
 experiment-objective: setup
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality/on_policy_kd.py --plan objective
+
+# A teacher that sees the answer (teacher_prompt) vs the plain one, on experiment-objective's work dir and results
+# (about 15 minutes). Writes benchmarks/quality/results/privileged_teacher.{json,md}
+experiment-privileged: setup
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality/privileged_teacher.py
 
 experiment: setup vllm-env
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
