@@ -6,6 +6,7 @@ combine is one line."""
 import pytest
 import torch
 import torch.nn.functional as F
+from peft import LoraConfig
 from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
@@ -17,14 +18,15 @@ from trl_distill.testing import logged, synthetic_prompt_completion, tiny_run_se
 HINT = "{prompt} hint:{completion} =>"  # privileged: the teacher is shown the reference completion
 
 
-def make(pair, tmp_path, teacher=None, **overrides) -> DistillationTrainer:
+def make(pair, tmp_path, teacher=None, peft_config=None, **overrides) -> DistillationTrainer:
     settings = tiny_run_settings(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=2,
                                  save_strategy="no", use_cpu=True, kd_temperature_scaling=False, alpha=1.0,
                                  divergence="forward_kl", temperature=1.0)
     settings.update(overrides)
     return DistillationTrainer(pair["student"], teacher if teacher is not None else pair["teacher"],
                                args=DistillationConfig(**settings), train_dataset=synthetic_prompt_completion(16),
-                               processing_class=AutoTokenizer.from_pretrained(pair["tokenizer"]))
+                               processing_class=AutoTokenizer.from_pretrained(pair["tokenizer"]),
+                               peft_config=peft_config)
 
 
 def aligned_kd(trainer, batch, teacher_model, prompts: list[list[int]]) -> torch.Tensor:
@@ -111,7 +113,6 @@ def test_a_served_teacher_reads_its_own_prompt(served, tmp_path):
     (dict(packing=True), "rows cannot be packed"),
     (dict(teachers=["a=./a", "b=./b"], teacher_model_name_or_path=None), "it takes one teacher"),
     (dict(seq_kd=True), "set seq_kd=False"),
-    (dict(teacher_tokenizer_name_or_path="./tok"), "must read the student's tokens of the completion"),
 ])
 def test_what_cannot_combine_is_one_line(tmp_path, overrides, message):
     settings = {"output_dir": str(tmp_path), "teacher_prompt": HINT, "teacher_model_name_or_path": "./t", **overrides}
@@ -120,8 +121,9 @@ def test_what_cannot_combine_is_one_line(tmp_path, overrides, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-def test_a_missing_column_and_another_tokenizer_are_one_line(tiny_pair, other_teacher, tmp_path):
+def test_a_missing_column_and_the_self_teacher_are_one_line(tiny_pair, tmp_path):
     with pytest.raises(ValueError, match=r"teacher_prompt='golden' names a column the train dataset does not have"):
         make(tiny_pair, tmp_path, teacher_prompt="golden")
-    with pytest.raises(ValueError, match=r"it needs a live teacher on the student's tokenizer or a served one \(not"):
-        make(tiny_pair, tmp_path, teacher=other_teacher, teacher_prompt=HINT)
+    with pytest.raises(ValueError, match=r"or a served one, not 'self' or a cache"):
+        make(tiny_pair, tmp_path, teacher="self", teacher_prompt=HINT,
+             peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))

@@ -67,12 +67,14 @@ def _tokenize(tokenizer, text: str, chat: bool) -> tuple[list[int], list[tuple[i
     return ids, offsets
 
 
-def align_example(example: dict, student_tokenizer, teacher_tokenizer) -> AlignedRow | None:
+def align_example(example: dict, student_tokenizer, teacher_tokenizer,
+                  teacher_example: dict | None = None) -> AlignedRow | None:
     """`example` (a raw text, prompt–completion or conversational row, without SFT's added EOS) tokenized by both
-    and its completion aligned; None where that is impossible."""
+    and its completion aligned; None where that is impossible. `teacher_example` (default: `example`) is what the
+    teacher renders: the same completion after another prompt (privileged context, `teacher_prompt`)."""
     sides, rendered_texts = [], []
-    for tokenizer in (student_tokenizer, teacher_tokenizer):
-        rendered = render(example, tokenizer)
+    for side, tokenizer in ((example, student_tokenizer), (teacher_example or example, teacher_tokenizer)):
+        rendered = render(side, tokenizer)
         if rendered is None:
             return None
         text, spans, chat = rendered

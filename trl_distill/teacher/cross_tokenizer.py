@@ -27,7 +27,7 @@ from ..loss.signal import TeacherSignal
 from ..runtime.validation import check_teacher_finite
 from .base import TeacherBatch
 from .live import LiveTeacher
-from .support import TEACHER_PROMPT_REFUSAL
+from .privileged import teacher_prompt_of
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,6 @@ class CrossTokenizerTeacher(LiveTeacher):
     columns = COLUMNS
     refused = {
         "packing": _REFUSAL.format("packing / padding_free"),
-        "teacher-prompt": TEACHER_PROMPT_REFUSAL,
         "sampled-token": "on_policy_objective='sampled_token' reads the teacher's log-prob of the student's own "
         "sampled tokens, and a teacher with another tokenizer has no log-prob of them: use on_policy_objective="
         "'divergence' (it scores the samples re-tokenized), or a teacher on the student's tokenizer.",
@@ -125,11 +124,13 @@ class CrossTokenizerTeacher(LiveTeacher):
         eos = self.student_tokenizer.eos_token
         limit = self.args.max_length
 
-        def columns(example):
+        def columns(example, index):
             raw = {key: value[: -len(eos)] if key in ("text", "completion") and isinstance(value, str) and eos
                    and value.endswith(eos) else value for key, value in example.items()}  # SFT appended the EOS
-            row, prepared = align_example(raw, self.student_tokenizer, self.teacher_tokenizer), example["input_ids"]
-            prompt = teacher_prompt_ids(raw, self.teacher_tokenizer)  # for sampled completions (lmbda > 0)
+            teacher_raw = self.teacher_example(raw, name, index)
+            row = align_example(raw, self.student_tokenizer, self.teacher_tokenizer, teacher_raw)
+            prepared = example["input_ids"]
+            prompt = teacher_prompt_ids(teacher_raw, self.teacher_tokenizer)  # for sampled completions (lmbda > 0)
             if row is None or row.student_input_ids[: len(prepared)] != list(prepared[: len(row.student_input_ids)]):
                 return {TEACHER_IDS: row.teacher_input_ids[:limit] if row else [], STUDENT_POSITIONS: [],
                         TEACHER_POSITIONS: [], TEACHER_PROMPT: prompt}
@@ -139,12 +140,29 @@ class CrossTokenizerTeacher(LiveTeacher):
             return {TEACHER_IDS: teacher_ids, STUDENT_POSITIONS: [s for s, _ in pairs],
                     TEACHER_POSITIONS: [t for _, t in pairs], TEACHER_PROMPT: prompt}
 
-        dataset = dataset.map(columns, num_proc=self.args.dataset_num_proc, desc=f"Aligning {name} for the teacher")
+        dataset = dataset.map(columns, with_indices=True, num_proc=self.args.dataset_num_proc,
+                              desc=f"Aligning {name} for the teacher")
         unaligned = sum(1 for positions in dataset[STUDENT_POSITIONS] if not positions)
         if unaligned and self.args.process_index == 0:
             logger.warning("trl_distill: %d of %d %s rows have no completion text both tokenizers can align; they "
                            "train on CE only.", unaligned, len(dataset), name)
         return dataset
+
+    def teacher_example(self, raw: dict, split: str, index: int) -> dict:
+        """What the teacher renders of row `index`: the row itself, or with `teacher_prompt` (privileged context) its
+        teacher prompt in place of its prompt, before the same completion."""
+        spec = self.args.teacher_prompt
+        if spec is None:
+            return raw
+        prompt = teacher_prompt_of(spec, raw, split, index)
+        shaped = "prompt" in raw and "completion" in raw
+        if not shaped or isinstance(prompt, list) != isinstance(raw["prompt"], list):
+            raise ValueError(f"teacher_prompt with a teacher of another tokenizer replaces each row's prompt with one "
+                             f"of the same kind before the same completion: row {index} of the {split} dataset needs "
+                             f"a 'prompt' and a 'completion' column and a teacher prompt that is "
+                             f"{'a list of messages' if isinstance(raw.get('prompt'), list) else 'a string'} like its "
+                             "prompt.")
+        return {**raw, "prompt": prompt}
 
     def score_sampled(self, batch: dict, source: dict | None = None) -> None:
         """Sampled completions (`batch`) of the prompts of `source` (the collated batch they replace): each row

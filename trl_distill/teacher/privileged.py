@@ -32,15 +32,27 @@ def check_teacher_prompt_args(args) -> None:
         (args.teachers is not None, "it takes one teacher (several teachers with their own prompts are not "
                                     "supported yet): pass one with --teacher_model_name_or_path or --teacher_server"),
         (args.seq_kd, "seq_kd would sample from the teacher's prompts: set seq_kd=False"),
-        (bool(args.cross_tokenizer) or args.teacher_tokenizer_name_or_path is not None,
-         "the teacher must read the student's tokens of the completion: drop cross_tokenizer / "
-         "teacher_tokenizer_name_or_path"),
         (getattr(args, "sequence_parallel_size", 1) > 1, "rows are split over ranks under sequence parallelism: set "
                                                          "sequence_parallel_size=1"),
     ]
     for refused, why in refusals:
         if refused:
             raise ValueError(f"teacher_prompt gives the teacher its own prompt in place of each row's, and {why}.")
+
+
+def teacher_prompt_of(spec: str, row: dict, split: str, index: int):
+    """Row `index`'s teacher prompt: its column `spec`, or the template `spec` filled with its columns."""
+    if _FIELD.search(spec) is None:
+        if spec not in row:
+            raise ValueError(f"teacher_prompt={spec!r} names a column the {split} dataset does not have "
+                             f"({', '.join(row)}): add it, or give a template of its columns such as "
+                             "'{prompt} (answer: {answer})'.")
+        return row[spec]
+    missing = [name for name in _FIELD.findall(spec) if name not in row]
+    if missing:
+        raise ValueError(f"teacher_prompt's template {spec!r} reads {missing}, which row {index} of the "
+                         f"{split} dataset does not have ({', '.join(row)}).")
+    return spec.format(**{name: row[name] for name in _FIELD.findall(spec)})
 
 
 class PrivilegedTeacher(TeacherSource):
@@ -74,18 +86,7 @@ class PrivilegedTeacher(TeacherSource):
     # ---- The teacher's prompt of each row ----
 
     def prompt_of(self, row: dict, split: str, index: int):
-        """Row `index`'s teacher prompt: its column `spec`, or `spec` filled with its columns."""
-        if _FIELD.search(self.spec) is None:
-            if self.spec not in row:
-                raise ValueError(f"teacher_prompt={self.spec!r} names a column the {split} dataset does not have "
-                                 f"({', '.join(row)}): add it, or give a template of its columns such as "
-                                 "'{prompt} (answer: {answer})'.")
-            return row[self.spec]
-        missing = [name for name in _FIELD.findall(self.spec) if name not in row]
-        if missing:
-            raise ValueError(f"teacher_prompt's template {self.spec!r} reads {missing}, which row {index} of the "
-                             f"{split} dataset does not have ({', '.join(row)}).")
-        return self.spec.format(**{name: row[name] for name in _FIELD.findall(self.spec)})
+        return teacher_prompt_of(self.spec, row, split, index)
 
     def tokenized(self, prompt) -> list[int]:
         if isinstance(prompt, list):  # messages: as SFT tokenizes a conversational prompt

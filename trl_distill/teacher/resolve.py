@@ -96,9 +96,12 @@ def resolve_teacher(teacher_model, args, *, student, processing_class, eval_data
 
 def privileged(teacher: TeacherSource, args, context: BuildContext) -> TeacherSource:
     """`teacher` reading `teacher_prompt` in place of each row's prompt: a live teacher on the student's tokenizer,
-    or a served one (`privileged.PrivilegedTeacher`)."""
+    or a served one (`privileged.PrivilegedTeacher`); a teacher of another tokenizer renders it itself, as it
+    prepares its rows."""
     from .privileged import PrivilegedTeacher
 
+    if type(teacher) is CrossTokenizerTeacher:
+        return teacher
     if type(teacher) not in (LiveTeacher, ServedTeacher):  # (each other kind refuses the mode itself)
         raise ValueError(TEACHER_PROMPT_REFUSAL)
     tokenizer = context.processing_class or tokenizer_of(context.student)

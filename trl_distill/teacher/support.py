@@ -16,8 +16,8 @@ MODES: tuple[Mode, ...] = ("off-policy", "on-policy", "sampled-token", "teacher-
 ARGS_MODES: tuple[Mode, ...] = ("on-policy", "sampled-token", "teacher-prompt", "packing", "cross-tokenizer")
 
 TEACHER_PROMPT_REFUSAL = ("teacher_prompt gives the teacher its own prompt in place of each row's: it needs a live "
-                          "teacher on the student's tokenizer or a served one (not 'self', a cache or a teacher of "
-                          "another tokenizer). Drop teacher_prompt, or name such a teacher.")
+                          "teacher (of the student's tokenizer or another) or a served one, not 'self' or a cache. "
+                          "Drop teacher_prompt, or name such a teacher.")
 """The modes the arguments alone decide (refused as the config is built)."""
 
 
