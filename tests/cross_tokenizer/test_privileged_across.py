@@ -28,7 +28,7 @@ def make(pair, teacher, tmp_path, data=None, **overrides) -> DistillationTrainer
 def kd_from_models(trainer, batch) -> torch.Tensor:
     """The per-group loss on both models' own logits over the batch's teacher rows, summed and divided by the loss
     tokens (float64); asserts both sides read the same text from each group on."""
-    teacher_ids, teacher_mask, groups, _ = batch["cross_tokenizer_batch"]
+    teacher_ids, teacher_mask, groups, *_ = batch["cross_tokenizer_batch"]
     student_tok, teacher_tok = trainer.teacher.student_tokenizer, trainer.teacher.teacher_tokenizer
     lengths = batch["attention_mask"].sum(1).tolist(), teacher_mask.sum(1).tolist()
     for row, s_pos, t_pos in groups.tolist():  # from a group on, both sides read the same text: the completion's rest

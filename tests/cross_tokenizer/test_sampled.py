@@ -52,6 +52,20 @@ def test_groups_cover_identical_text_on_both_sides(tokenizers, seed):
     assert starts == sorted(starts) and len(set(starts)) == len(starts)
 
 
+def test_bytes_that_decode_to_no_text_are_in_no_group(tokenizers):
+    """A sampled lead byte of "é" with no continuation decodes to U+FFFD: the teacher would read that character, not
+    the student's byte, so no group holds it; the words around it still align."""
+    student, teacher = tokenizers
+    lead = student.convert_tokens_to_ids(student.convert_ids_to_tokens(student("é")["input_ids"])[0])
+    ids = student("dog cat")["input_ids"] + [lead] + student(" cat dog")["input_ids"]
+    text, offsets = sampled_offsets(student, ids)
+    assert "\ufffd" in text
+    _, groups = align_sampled(ids, False, student, teacher)
+    held = {i for g in groups for i in range(*g.student)}
+    assert ids.index(lead) not in held and len(held) >= len(ids) - 3
+    assert all("\ufffd" not in text[offsets[g.student[0]][0]: offsets[g.student[1] - 1][1]] for g in groups)
+
+
 def test_an_on_policy_batch_is_scored_on_the_models_own_logits(tiny_pair, other_teacher, tmp_path):
     """lmbda = 1 across tokenizers (the student's HF generate): every sampled row aligns, each group's prefix text
     is the same for both models, and the KD equals the per-group loss on both models' own logits."""
@@ -70,7 +84,7 @@ def assert_sampled_kd_is_the_models_own(trainer, other_teacher) -> None:
     args = trainer.args
     batch = trainer._prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in range(4)]))
     batch, completions = trainer.sampler.sample(STUDENT, batch)
-    teacher_ids, teacher_mask, groups, _ = batch["cross_tokenizer_batch"]
+    teacher_ids, teacher_mask, groups, *_ = batch["cross_tokenizer_batch"]
     rows, s_pos, t_pos = groups.unbind(1)
     assert sorted(set(rows.tolist())) == [0, 1, 2, 3]
     s_tok, t_tok = trainer.processing_class, AutoTokenizer.from_pretrained(other_teacher)

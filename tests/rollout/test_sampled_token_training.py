@@ -107,7 +107,6 @@ def test_a_served_teacher_is_asked_for_the_sampled_tokens_only(served, tmp_path)
     (dict(lmbda=0.5), "set lmbda=1 and seq_kd=False"),
     (dict(temperature=2.0), "set temperature=1"),
     (dict(teachers=["a=./a", "b=./b"], teacher_combine="sum"), "route several teachers"),
-    (dict(teacher_tokenizer_name_or_path="./tok"), "the teacher must share the student's tokenizer"),
     (dict(epsilon=1.5), "epsilon must be in [0, 1)"),
     (dict(sampled_token_discount=1.5), "sampled_token_discount must be in [0, 1]"),
     (dict(on_policy_objective="divergence", task_reward_funcs=["last_number"]), "set on_policy_objective="),
@@ -118,9 +117,53 @@ def test_what_cannot_combine_is_one_line(tmp_path, overrides, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-def test_a_teacher_of_another_tokenizer_is_one_line_before_training(tiny_pair, other_teacher, tmp_path):
-    with pytest.raises(ValueError, match=r"a teacher with another tokenizer has no log-prob of them"):
-        trainer_for(tiny_pair, tmp_path, dataset(), teacher_model_name_or_path=other_teacher, **SAMPLED)
+def expected_across(trainer, batch) -> torch.Tensor:
+    """The loss across tokenizers (float64): each aligned group's teacher log-prob of its text (its own teacher tokens
+    summed, from the teacher's own logits) shared equally by its student tokens; a token no group covers has no
+    teacher reward. Asserts each group's tokens stand for the same text on both sides."""
+    teacher = trainer.teacher
+    teacher_ids, teacher_mask, groups, _, lengths = batch["cross_tokenizer_batch"]
+    student, mask = token_log_probs(trainer.model, batch)
+    teacher_logp = F.log_softmax(teacher.module(input_ids=teacher_ids, attention_mask=teacher_mask).logits.double(), -1)
+    share = torch.full(mask.shape, float("nan"), dtype=torch.float64)
+    for (row, s_pos, t_pos), (n_s, n_t) in zip(groups.tolist(), lengths.tolist(), strict=True):
+        s_ids, t_ids = batch["input_ids"][row, s_pos + 1:s_pos + 1 + n_s], teacher_ids[row, t_pos + 1:t_pos + 1 + n_t]
+        assert (teacher.student_tokenizer.decode(s_ids, skip_special_tokens=True).strip()
+                == teacher.teacher_tokenizer.decode(t_ids, skip_special_tokens=True).strip())
+        text = sum(teacher_logp[row, t_pos + k, int(t_ids[k])] for k in range(n_t))
+        share[row, s_pos:s_pos + n_s] = text / n_s
+    share = share[mask]
+    assert int(torch.isfinite(share).sum()) >= 5  # sampled tokens in aligned groups (an untrained student's random
+    # bytes that decode to no text, U+FFFD, lie in none)
+    gap = torch.where(torch.isnan(share), 0.0, share - student)
+    return -(trainer.args.sampled_token_kl_coef * gap).mean()
+
+
+@pytest.mark.parametrize("teacher_reads", ["words", "characters"])
+def test_a_teacher_of_another_tokenizer_scores_each_aligned_groups_text(tiny_pair, other_teacher, tmp_path,
+                                                                        teacher_reads):
+    """The dataset's completions scored as the student's samples, both ways round: a teacher of whole words (the
+    student's characters share each word's log-prob) and a teacher of characters (a word's summed); then training on
+    the student's own samples."""
+    if teacher_reads == "words":
+        pair, teacher = tiny_pair, other_teacher
+    else:
+        pair, teacher = {"student": other_teacher, "tokenizer": other_teacher}, tiny_pair["teacher"]
+    trainer = trainer_for(pair, tmp_path, dataset(), teacher_model_name_or_path=teacher, max_steps=2, **SAMPLED)
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    trainer.teacher.score_sampled(batch, dict(batch))  # the completions, as if the student had sampled them
+    lengths = batch["cross_tokenizer_batch"][4]
+    assert int((lengths[:, 0 if teacher_reads == "words" else 1] > 1).sum()) >= 10, lengths.tolist()
+    with torch.no_grad():
+        want = expected_across(trainer, batch)
+        trainer.model.train()
+        trainer.sampler.on_policy, trainer.current_gradient_accumulation_steps = True, 1
+        _, out = trainer.compute_loss(trainer.model, dict(batch), return_outputs=True)
+    assert out["kd_loss"].item() == pytest.approx(want.item(), rel=1e-5)
+    trainer.sampler.on_policy = False
+    trainer.train()
+    gaps = logged(trainer.state.log_history, "sampled_token_teacher_gap")
+    assert list(gaps) == [1, 2] and all(-50 < v < 50 and v != 0 for v in gaps.values()), gaps
 
 
 def test_the_ratio_is_against_the_rollout_servers_log_probs(rollout_server, tiny_pair, tmp_path):

@@ -102,7 +102,7 @@ def cross_reference(trainer, teacher_dir: str) -> dict[str, float]:
     sums, groups_total, tokens_total = defaultdict(float), 0, 0
     for example in trainer.train_dataset:
         batch = trainer.data_collator([example])
-        teacher_ids, teacher_mask, groups, _ = pop_cross_batch(batch)
+        teacher_ids, teacher_mask, groups, *_ = pop_cross_batch(batch)
         _, mask = loss_tokens(batch)
         rows, s_pos, t_pos = groups.unbind(1)
         keep = mask[rows, s_pos]

@@ -74,7 +74,7 @@ def run(student: str, out: str, url: str, mode: str, teacher: str, port: str, ra
             "input_ids": new["input_ids"].tolist(), "attention_mask": new["attention_mask"].tolist(),
             "labels": new["labels"].tolist()}
         if "cross_tokenizer_batch" in new:  # the teacher's ids and the aligned groups of the sampled rows
-            teacher_ids, teacher_mask, groups, _ = new["cross_tokenizer_batch"]
+            teacher_ids, teacher_mask, groups, *_ = new["cross_tokenizer_batch"]
             record["sampled"][str(trainer.state.global_step + 1)].update(
                 teacher_ids=teacher_ids.tolist(), teacher_mask=teacher_mask.tolist(), groups=groups.tolist())
         if rank == 0:

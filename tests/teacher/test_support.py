@@ -52,6 +52,7 @@ YES = {
     ("served (vLLM)", "sampled-token"): "rollout/test_sampled_token_training.py::test_a_served_teacher_is_asked_for_the_sampled_tokens_only",
     ("live (ZeRO-3)", "teacher-prompt"): "teacher/test_privileged.py::test_the_kd_is_the_teachers_reading_of_its_own_prompt_aligned_on_the_completion",
     ("served (vLLM)", "teacher-prompt"): "teacher/test_privileged.py::test_a_served_teacher_reads_its_own_prompt",
+    ("cross-tokenizer", "sampled-token"): "rollout/test_sampled_token_training.py::test_a_teacher_of_another_tokenizer_scores_each_aligned_groups_text",
     ("cross-tokenizer", "teacher-prompt"): "cross_tokenizer/test_privileged_across.py::test_the_teacher_of_another_tokenizer_reads_its_own_prompt_and_the_same_completion",
 }
 

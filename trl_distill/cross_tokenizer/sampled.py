@@ -32,11 +32,16 @@ def sampled_offsets(tokenizer, ids: list[int]) -> tuple[str, list[tuple[int, int
 def align_sampled(completion_ids: list[int], ended: bool, student_tokenizer, teacher_tokenizer
                   ) -> tuple[list[int], list[TokenGroup]]:
     """The teacher's tokens of a sampled completion (its EOS appended when `ended`), and the groups of both sides'
-    completion tokens (indices within the completion) that cover the same text; the two EOS are one more group."""
+    completion tokens (indices within the completion) that cover the same text, but none over text the student's
+    bytes did not decode to; the two EOS are one more group."""
     text, student_offsets = sampled_offsets(student_tokenizer, completion_ids)
     encoded = teacher_tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     teacher_ids, teacher_offsets = list(encoded["input_ids"]), [tuple(o) for o in encoded["offset_mapping"]]
     groups = align_offsets(student_offsets, teacher_offsets, span=(0, len(text)), widen=False) if text else []
+    # a group whose text holds U+FFFD stands for bytes the decode could not read (a sampled run of byte tokens that
+    # is no UTF-8): the teacher would read that replacement character, not the student's bytes, so it is left out
+    groups = [g for g in groups if "\ufffd" not in text[student_offsets[g.student[0]][0]:
+                                                          student_offsets[g.student[1] - 1][1]]]
     if ended and teacher_tokenizer.eos_token_id is not None:
         teacher_ids.append(teacher_tokenizer.eos_token_id)
         groups.append(TokenGroup((len(completion_ids) - 1, len(completion_ids)), (len(teacher_ids) - 1,

@@ -10,7 +10,9 @@ completions. The loss is GRPO's clipped surrogate, ``−min(ρ_t A_t, clip(ρ_t,
 student itself when HF `generate` sampled (ρ = 1, the plain policy gradient). Advantages are never differentiated.
 
 Only the teacher's log-prob of each sampled token is read (`TeacherSignal.token_log_probs`): any teacher whose signal
-holds it (a live teacher's full distribution, a served teacher asked for the sampled tokens' log-probs).
+holds it (a live teacher's full distribution, a served teacher asked for the sampled tokens' log-probs, a teacher of
+another tokenizer: its log-prob of each aligned group's text shared by the group's student tokens, so a group's
+rewards sum to ``log π_teacher(text) − log π_student(text)``; a token no group covers gets no teacher reward).
 """
 
 from __future__ import annotations
@@ -70,6 +72,11 @@ def discounted(rewards: Tensor, sequence: Tensor, gamma: float) -> Tensor:
     return out.to(rewards)
 
 
+def no_teacher_no_gap(gap: Tensor) -> Tensor:
+    """`gap` with 0 where the teacher has no log-prob of the token (NaN: another tokenizer's text no group covers)."""
+    return torch.where(torch.isnan(gap), 0.0, gap)
+
+
 def task_advantages(rewards: Tensor | None, sequence: Tensor, weight: float) -> Tensor | None:
     """``weight · (R − mean R)`` of each loss row's completion (the micro-batch's mean as the baseline), or None."""
     if rewards is None:
@@ -102,7 +109,7 @@ class SampledTokenSignal(TeacherSignal):
         s = self.job.settings
         student = student_logp.gather(1, self.labels[rows, None]).squeeze(1)
         with torch.no_grad():
-            gap = teacher.to(student) - student.detach()
+            gap = no_teacher_no_gap(teacher.to(student) - student.detach())
             if self.advantages is not None:
                 advantage = self.advantages[rows].to(student)
             else:
@@ -152,7 +159,7 @@ def sampled_token_signal(inner: TeacherSignal, job: SampledTokenJob, rows: Tenso
             logits = (picked if head is None else head.logits(picked))[:, :vocab].to(compute)
             student = F.log_softmax(logits, -1).gather(1, labels[part, None]).squeeze(1)
             teacher = inner.token_log_probs(inner.chunk(part, compute), labels[part])
-            gaps[part] = (teacher.double() - student.double())
+            gaps[part] = no_teacher_no_gap(teacher.double() - student.double())
     advantages = discounted(s.kl_coef * gaps, sequence, s.discount)
     if extra is not None:
         advantages = advantages + extra

@@ -62,7 +62,8 @@ class TeacherSignal(ABC):
 
     def token_log_probs(self, chunk: Any, labels: Tensor) -> Tensor:
         """The teacher's log-prob of each row's token `labels` ``[c]`` from this chunk (the sampled-token objective,
-        `loss.sampled_token`); a signal that does not hold it refuses."""
+        `loss.sampled_token`), NaN where it has none (a token of another tokenizer's text no aligned group covers);
+        a signal that does not hold it refuses."""
         raise ValueError(f"on_policy_objective='sampled_token' reads the teacher's log-prob of each sampled token, "
-                         f"which {type(self).__name__} does not give: use one teacher (or several routed) that "
-                         "shares the student's tokenizer, or on_policy_objective='divergence'.")
+                         f"which {type(self).__name__} does not give: use one teacher (or several routed), or "
+                         "on_policy_objective='divergence'.")

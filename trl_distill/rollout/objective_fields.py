@@ -59,10 +59,6 @@ def check_objective_args(args) -> None:
     if args.teachers is not None and args.teacher_combine != "route":
         raise ValueError("on_policy_objective='sampled_token' takes one teacher per sampled row: route several "
                          "teachers (--teacher_combine route), or use on_policy_objective='divergence' to mix them.")
-    if args.cross_tokenizer or args.teacher_tokenizer_name_or_path is not None:
-        raise ValueError("on_policy_objective='sampled_token' reads the teacher's log-prob of the student's own "
-                         "tokens, so the teacher must share the student's tokenizer: drop cross_tokenizer / "
-                         "teacher_tokenizer_name_or_path, or use on_policy_objective='divergence'.")
     if not 0.0 <= args.sampled_token_discount <= 1.0 or args.sampled_token_kl_coef < 0:
         raise ValueError(f"sampled_token_discount must be in [0, 1] and sampled_token_kl_coef >= 0, got "
                          f"{args.sampled_token_discount} and {args.sampled_token_kl_coef}.")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from ..cross_tokenizer.data import align_example, teacher_prompt_ids
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 TEACHER_IDS, TEACHER_PROMPT = "teacher_input_ids", "teacher_prompt_ids"
 STUDENT_POSITIONS, TEACHER_POSITIONS = "cross_student_positions", "cross_teacher_positions"
 COLUMNS = (TEACHER_IDS, STUDENT_POSITIONS, TEACHER_POSITIONS, TEACHER_PROMPT)
+GROUP_LENGTHS = "cross_group_lengths"  # sampled rows only: each group's student and teacher token counts
 _BATCH = "cross_tokenizer_batch"
 
 
@@ -48,9 +50,6 @@ class CrossTokenizerTeacher(LiveTeacher):
     columns = COLUMNS
     refused = {
         "packing": _REFUSAL.format("packing / padding_free"),
-        "sampled-token": "on_policy_objective='sampled_token' reads the teacher's log-prob of the student's own "
-        "sampled tokens, and a teacher with another tokenizer has no log-prob of them: use on_policy_objective="
-        "'divergence' (it scores the samples re-tokenized), or a teacher on the student's tokenizer.",
     }
     batch_key = _BATCH  # what its collator adds to a batch
     routes_own_rows = False  # its own ids come with the whole batch (routed, the loss picks its rows)
@@ -180,11 +179,11 @@ class CrossTokenizerTeacher(LiveTeacher):
             teacher_ids, groups = align_sampled(completion, bool(completion) and completion[-1] == eos,
                                                 self.student_tokenizer, self.teacher_tokenizer) if prompt else ([], [])
             ids = (list(prompt) + teacher_ids)[:limit] if limit else list(prompt) + teacher_ids
-            pairs = [(start + g.student[0] - 1, len(prompt) + g.teacher[0] - 1) for g in groups
-                     if start + g.student[0] > 0 and len(prompt) + g.teacher[0] > 0
-                     and len(prompt) + g.teacher[1] <= len(ids)]
-            examples.append({TEACHER_IDS: ids, STUDENT_POSITIONS: [p for p, _ in pairs],
-                             TEACHER_POSITIONS: [t for _, t in pairs], TEACHER_PROMPT: prompt})
+            kept = [g for g in groups if start + g.student[0] > 0 and len(prompt) + g.teacher[0] > 0
+                    and len(prompt) + g.teacher[1] <= len(ids)]
+            examples.append({TEACHER_IDS: ids, STUDENT_POSITIONS: [start + g.student[0] - 1 for g in kept],
+                             TEACHER_POSITIONS: [len(prompt) + g.teacher[0] - 1 for g in kept], TEACHER_PROMPT: prompt,
+                             GROUP_LENGTHS: [(g.student[1] - g.student[0], g.teacher[1] - g.teacher[0]) for g in kept]})
         self.sampled_rows["rows"] += len(examples)
         self.sampled_rows["unaligned"] += sum(not e[STUDENT_POSITIONS] for e in examples)
         device = batch["input_ids"].device
@@ -204,14 +203,20 @@ class CrossTokenizerTeacher(LiveTeacher):
     def teacher_rows(self, batch: tuple, mask: torch.Tensor, keep: torch.Tensor) -> CrossRows:
         """Run the teacher on its own ids (every rank: ZeRO-3 gathers are collective) and lay its states at the
         groups onto the loss's rows (`mask` ``[B, K]`` over the positions `keep`, row-major)."""
-        groups = batch[2]
+        groups, lengths = batch[2], batch[4] if len(batch) > 4 else None
         rows, s_pos, t_pos = (column.contiguous() for column in groups.reshape(-1, 3).unbind(1))
         column = torch.searchsorted(keep, s_pos).clamp(max=max(keep.numel() - 1, 0))
         flat = rows * keep.numel() + column
         # a group counts only where the student has a loss token at its position (never a neighbour's row)
         valid = (keep[column] == s_pos) & mask.flatten()[flat] if keep.numel() else torch.zeros_like(s_pos, dtype=bool)
-        rows, t_pos, flat = rows[valid], t_pos[valid], flat[valid]
-        keep_t = torch.unique(t_pos)
+        rows, s_pos, t_pos, flat = rows[valid], s_pos[valid], t_pos[valid], flat[valid]
+        sampled_token = self.args.on_policy_objective == "sampled_token"
+        if sampled_token and lengths is None:
+            raise ValueError("on_policy_objective='sampled_token' across tokenizers scores the student's own samples: "
+                             "this batch holds none (set lmbda=1).")
+        spans = lengths[valid] if sampled_token else None
+        reach = torch.cat([t_pos, *([] if spans is None else [group_spread(t_pos, spans[:, 1])])])
+        keep_t = torch.unique(reach)  # each group's first position; with the sampled tokens, all of its positions
         features = self.features(teacher_inputs(batch), keep_t)
         states = features.states[rows, torch.searchsorted(keep_t, t_pos)]
         index = (mask.flatten().cumsum(0) - 1)[flat]
@@ -223,7 +228,49 @@ class CrossTokenizerTeacher(LiveTeacher):
         teacher_labels = torch.full((n,), -100, dtype=torch.long, device=laid.device).index_copy_(0, index, own)
         shares = torch.tensor([index.numel(), n, torch.unique(rows).numel(), int(mask.any(1).sum())],
                               dtype=torch.float64)  # aligned groups of loss tokens, aligned rows of rows
-        return CrossRows(laid, is_group, features.head, self.loss, teacher_labels, shares)
+        token_logp = None
+        if spans is not None:
+            token_logp = group_token_log_probs(teacher_ids, features, keep_t, rows, t_pos, spans[:, 1])
+            token_logp = spread_onto_rows(token_logp / spans[:, 0], rows, s_pos, spans[:, 0], mask, keep)
+        return CrossRows(laid, is_group, features.head, self.loss, teacher_labels, shares, token_logp)
+
+
+def group_spread(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``starts[g] + k`` for every ``k < counts[g]``, group by group: the positions a group's tokens are read at."""
+    owner = torch.arange(len(starts), device=starts.device).repeat_interleave(counts)
+    first = (counts.cumsum(0) - counts).repeat_interleave(counts)
+    return starts[owner] + torch.arange(len(owner), device=starts.device) - first
+
+
+def group_token_log_probs(teacher_ids: torch.Tensor, features, keep_t: torch.Tensor, rows: torch.Tensor,
+                          t_pos: torch.Tensor, counts: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """Per group ``[G]`` (float32): the teacher's log-prob of the group's own teacher tokens, summed (the group's text,
+    read after its own prompt and the text before it), from its states at the positions `keep_t`."""
+    owner = torch.arange(len(rows), device=rows.device).repeat_interleave(counts)
+    positions = group_spread(t_pos, counts)
+    targets = teacher_ids[rows[owner], positions + 1]
+    states = features.states[rows[owner], torch.searchsorted(keep_t, positions)]
+    logp = torch.empty(len(owner), dtype=torch.float32, device=states.device)
+    for start in range(0, len(owner), chunk):
+        part = states[start:start + chunk]
+        logits = part if features.head is None else features.head.logits(part)
+        picked = targets[start:start + chunk, None].to(logits.device)
+        logp[start:start + chunk] = F.log_softmax(logits.float(), -1).gather(1, picked).squeeze(1)
+    return logp.new_zeros(len(rows)).index_add_(0, owner.to(logp.device), logp)
+
+
+def spread_onto_rows(per_token: torch.Tensor, rows: torch.Tensor, s_pos: torch.Tensor, counts: torch.Tensor,
+                     mask: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``per_token[g]`` on each loss row that predicts one of group g's student tokens (`mask` ``[B, K]`` over the
+    positions `keep`, row-major); NaN on a loss row no group covers (no teacher log-prob of its token)."""
+    owner = torch.arange(len(rows), device=rows.device).repeat_interleave(counts)
+    positions = group_spread(s_pos, counts)
+    column = torch.searchsorted(keep, positions).clamp(max=max(keep.numel() - 1, 0))
+    flat = rows[owner] * keep.numel() + column
+    inside = (keep[column] == positions) & mask.flatten()[flat]
+    index = (mask.flatten().cumsum(0) - 1)[flat[inside]]
+    out = torch.full((int(mask.sum()),), float("nan"), dtype=per_token.dtype, device=per_token.device)
+    return out.index_copy_(0, index.to(out.device), per_token[owner[inside].to(out.device)])
 
 
 class CrossTokenizerCollator:
@@ -241,14 +288,18 @@ class CrossTokenizerCollator:
 
 def cross_batch(examples: list[dict], pad_id: int) -> tuple:
     """``(teacher ids [B, L], their mask, groups [G, 3] (row, student position, teacher position), the teacher's
-    prompt tokens per row)``: what the cross-tokenizer teacher reads of a batch."""
+    prompt tokens per row, each group's token counts [G, 2] (student, teacher) or None)``: what the cross-tokenizer
+    teacher reads of a batch (the counts come with sampled rows, for the sampled-token objective)."""
     ids = [torch.tensor(ex[TEACHER_IDS] or [pad_id], dtype=torch.long) for ex in examples]
     teacher_ids = pad_sequence(ids, batch_first=True, padding_value=pad_id)
     teacher_mask = pad_sequence([torch.ones_like(i) for i in ids], batch_first=True, padding_value=0)
     groups = [(b, s, t) for b, ex in enumerate(examples)
               for s, t in zip(ex[STUDENT_POSITIONS], ex[TEACHER_POSITIONS], strict=True)]
     prompts = [list(ex.get(TEACHER_PROMPT) or []) for ex in examples]
-    return teacher_ids, teacher_mask, torch.tensor(groups, dtype=torch.long).reshape(-1, 3), prompts
+    lengths = None
+    if all(GROUP_LENGTHS in ex for ex in examples):
+        lengths = torch.tensor([n for ex in examples for n in ex[GROUP_LENGTHS]], dtype=torch.long).reshape(-1, 2)
+    return teacher_ids, teacher_mask, torch.tensor(groups, dtype=torch.long).reshape(-1, 3), prompts, lengths
 
 
 class CrossRows(TeacherBatch):
@@ -256,9 +307,9 @@ class CrossRows(TeacherBatch):
     ``is_group`` False, on rows no group starts at (a `base.TeacherBatch`)."""
 
     def __init__(self, states: torch.Tensor, is_group: torch.Tensor, head, loss: CrossTokenizerLoss,
-                 teacher_labels: torch.Tensor, shares: torch.Tensor):
+                 teacher_labels: torch.Tensor, shares: torch.Tensor, token_logp: torch.Tensor | None = None):
         self.states, self.is_group, self.head, self.loss = states, is_group, head, loss
-        self.teacher_labels, self.shares = teacher_labels, shares
+        self.teacher_labels, self.shares, self.token_logp = teacher_labels, shares, token_logp
 
     def signal(self, rows: torch.Tensor | None, n: int, settings: LossSettings,
                picks: torch.Tensor | None = None) -> CrossTokenizerSignal:
@@ -270,7 +321,9 @@ class CrossRows(TeacherBatch):
             return CrossTokenizerSignal(self, self.loss, settings.temperature)
         is_group = self.is_group[picks]
         shares = torch.tensor([int(is_group.sum()), picks.numel(), 0, 0], dtype=torch.float64)
-        own = CrossRows(self.states[picks], is_group, self.head, self.loss, self.teacher_labels[picks], shares)
+        token_logp = None if self.token_logp is None else self.token_logp[picks]
+        own = CrossRows(self.states[picks], is_group, self.head, self.loss, self.teacher_labels[picks], shares,
+                        token_logp)
         return CrossTokenizerSignal(own, self.loss, settings.temperature)
 
 
@@ -286,15 +339,23 @@ class CrossTokenizerSignal(TeacherSignal):
     def chunk(self, rows: slice, compute: torch.dtype):
         states = self.rows.states[rows]
         logits = states if self.rows.head is None else self.rows.head.logits(states)
-        return self.rows.is_group[rows], at_temperature(logits.detach().to(compute), self.temperature)
+        token_logp = None if self.rows.token_logp is None else self.rows.token_logp[rows]
+        return self.rows.is_group[rows], at_temperature(logits.detach().to(compute), self.temperature), token_logp
+
+    def token_log_probs(self, chunk, labels: torch.Tensor) -> torch.Tensor:
+        """The teacher's log-prob of each sampled student token: its aligned group's (the group's teacher tokens
+        summed), shared equally by the group's student tokens; NaN where no group covers the token."""
+        if chunk[2] is None:
+            raise RuntimeError("The cross-tokenizer teacher computed no sampled-token log-probs for this batch.")
+        return chunk[2]
 
     def per_token(self, student_logp: torch.Tensor, chunk, settings: LossSettings) -> torch.Tensor:
-        is_group, teacher_scaled = chunk
+        is_group, teacher_scaled, _ = chunk
         matched, uld = divergence_at_temperature(student_logp, teacher_scaled, self.loss.vocabulary, settings)
         return torch.where(is_group, self.loss.combine(matched, uld), 0.0)
 
     def observe(self, into: LossDiagnostics, rows: slice, logits: torch.Tensor, chunk, labels, settings) -> None:
-        is_group, teacher_scaled = chunk
+        is_group, teacher_scaled, _ = chunk
         observe_groups(into, logits, teacher_scaled, is_group, self.rows.teacher_labels[rows], self.loss.vocabulary,
                        self.temperature)
 
