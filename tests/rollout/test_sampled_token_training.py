@@ -180,9 +180,9 @@ def test_the_ratio_is_against_the_rollout_servers_log_probs(rollout_server, tiny
     try:
         batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
         sampled, _ = trainer.sampler.sample(STUDENT, batch)
-        engine = sampled["rollout_logprobs"].values
+        engine = sampled["rollout_logprobs"].value
         shift = torch.where(torch.arange(len(engine)) % 2 == 0, 0.5, -0.5)
-        sampled["rollout_logprobs"].values = engine + shift
+        sampled["rollout_logprobs"].value = engine + shift
         with torch.no_grad():
             student, mask = token_log_probs(trainer.model, sampled)
             teacher, _ = token_log_probs(trainer.teacher.module, sampled)
@@ -214,9 +214,9 @@ def test_routed_teachers_on_the_servers_rollouts_keep_each_tokens_engine_log_pro
         batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
         sampled, _ = trainer.sampler.sample(STUDENT, batch)
         assert sorted(set(sampled[ROUTE].tolist())) == [0, 1]
-        engine = sampled["rollout_logprobs"].values
+        engine = sampled["rollout_logprobs"].value
         shift = torch.linspace(-0.4, 0.4, len(engine))
-        sampled["rollout_logprobs"].values = engine + shift
+        sampled["rollout_logprobs"].value = engine + shift
         teachers = [member.module for member in trainer.teacher.members.values()]
         with torch.no_grad():
             student, mask = token_log_probs(trainer.model, sampled)

@@ -24,6 +24,15 @@ def loss_tokens(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return target, target != -100
 
 
+class Held:
+    """A value a batch carries past the Trainer's `_prepare_inputs` untouched: it casts float tensors to the DeepSpeed
+    dtype and moves the others (the engine's log-probs of sampled tokens, a task's columns and rewards, teacher
+    prompts)."""
+
+    def __init__(self, value):
+        self.value = value
+
+
 class SignalHolder:
     """The rows' `SparseTeacherSignal`, or a future of it. An opaque object on purpose: the Trainer's
     `_prepare_inputs` would cast float tensors to the DeepSpeed dtype (bf16), and it cannot rebuild a NamedTuple

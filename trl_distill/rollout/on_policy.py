@@ -15,23 +15,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..data.batch import Held
 from ..loss.rollout_correction import RolloutCorrection
 from ..loss.sampled_token import SampledTokenJob, SampledTokenSettings
 from .sampling import Sampling, seeded
-from .task_rewards import TASK_COLUMNS, TASK_REWARDS, Held
+from .task_rewards import TASK_COLUMNS, TASK_REWARDS
 
 if TYPE_CHECKING:  # the rollout server's client and weight sync: imported by a run that uses one
     from .engine_rollouts import EngineRollouts
 
-ROLLOUT = "rollout_logprobs"  # a batch key: the engine's log-probs of its sampled tokens (an `EngineLogprobs`)
-
-
-class EngineLogprobs:
-    """The engine's log-prob of every sampled token of a batch, row after row (the loss's row order). Opaque: the
-    Trainer's `_prepare_inputs` would cast a float tensor to the DeepSpeed dtype."""
-
-    def __init__(self, values: torch.Tensor):
-        self.values = values
+# a batch key: the engine's log-prob of every sampled token of a batch, row after row (the loss's row order), `Held`
+ROLLOUT = "rollout_logprobs"
 
 # The three sources of a step's completions
 DATASET, STUDENT, TEACHER = "dataset", "student", "teacher"
@@ -239,7 +233,7 @@ class CompletionSampler:
             completions, logprobs = engine.sample(prompts, sorted(eos_ids), sampling)
             new_batch = completion_batch(prompts, completions, tokenizer.pad_token_id)
             if engine is self.engine:  # the student's own log-probs, as the engine computed them: the loss's gap
-                new_batch[ROLLOUT] = EngineLogprobs(torch.tensor([x for row in logprobs for x in row]))
+                new_batch[ROLLOUT] = Held(torch.tensor([x for row in logprobs for x in row]))
         else:
             processes = run.num_processes
             if source == STUDENT:
@@ -274,7 +268,7 @@ class CompletionSampler:
             return None
         args = self.context.args
         corrected = args.vllm_importance_sampling_correction and args.on_policy_objective != "sampled_token"
-        return RolloutCorrection(held.values, args.vllm_importance_sampling_clip_max if corrected else None)
+        return RolloutCorrection(held.value, args.vllm_importance_sampling_clip_max if corrected else None)
 
     def objective_job(self, inputs: dict, training: bool) -> SampledTokenJob | None:
         """The sampled-token objective of this micro-batch (with its samples' task rewards), when it trains on the

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..data.batch import Held
 from ..evaluation.generation import before_first_answer
 from ..evaluation.verifiers import answer_column, resolve_verifiers
 
@@ -14,13 +15,6 @@ TASK_COLUMNS, TASK_REWARDS = "task_columns", "task_rewards"  # batch keys: the r
 # What the SFT collators read of a prepared row; every other column is the row's own, handed to the reward functions
 MODEL_COLUMNS = {"input_ids", "attention_mask", "labels", "completion_mask", "assistant_masks", "position_ids",
                  "seq_lengths", "token_type_ids"}
-
-
-class Held:
-    """A value a batch carries past the Trainer's `_prepare_inputs` untouched (it casts float tensors, moves others)."""
-
-    def __init__(self, value):
-        self.value = value
 
 
 class TaskColumnsCollator:

@@ -16,7 +16,7 @@ import re
 
 import torch
 
-from ..rollout.task_rewards import Held
+from ..data.batch import Held
 from .base import TeacherBatch, TeacherSource
 
 TEACHER_PROMPT = "teacher_prompt_ids"  # the prepared column and the batch key: each row's teacher prompt, tokenized
