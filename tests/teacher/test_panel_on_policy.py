@@ -13,12 +13,13 @@ from panel_common import (
     trained,
     trainer_for,
 )
+from transformers import AutoTokenizer
 
-from trl_distill import DistillationConfig
+from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.data.batch import loss_tokens
 from trl_distill.rollout.on_policy import STUDENT
 from trl_distill.teacher.panel import ROUTE
-from trl_distill.testing import launch, logged, read_rank_records
+from trl_distill.testing import launch, logged, read_rank_records, tiny_run_settings
 
 WORKER = Path(__file__).parents[1] / "scripts" / "panel_worker.py"
 ON_POLICY = dict(lmbda=1.0, max_new_tokens=6, divergence="reverse_kl", alpha=1.0)
@@ -37,6 +38,52 @@ def counting_forwards(trainer) -> dict[str, list[int]]:
 
         member.features = counted
     return rows
+
+
+class AdaptersOff:
+    """The LoRA student's base (what the 'self' teacher is), called like a model."""
+
+    def __init__(self, peft_model):
+        self.peft_model = peft_model
+
+    def __call__(self, **inputs):
+        with self.peft_model.disable_adapter():
+            return self.peft_model(**inputs)
+
+
+def test_the_students_own_base_routed_beside_a_teacher_on_its_samples(tiny_pair, tmp_path):
+    """'self' as one of several teachers (a LoRA student): on every step's samples the KD is each row's own teacher's
+    reverse KL from the models' own logits (the base: the student with its adapters off), the base runs on its own
+    rows only, and its part is 0 on the first step (LoRA starts as the identity) and not after."""
+    from peft import LoraConfig
+
+    settings = tiny_run_settings(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3,
+                                 save_strategy="no", use_cpu=True, kd_temperature_scaling=False, learning_rate=5e-2,
+                                 teachers=[f"a={tiny_pair['teacher']}", "base=self"], **ON_POLICY)
+    trainer = DistillationTrainer(tiny_pair["student"], args=DistillationConfig(**settings),
+                                  train_dataset=dataset(["a", "base"]),
+                                  processing_class=AutoTokenizer.from_pretrained(tiny_pair["tokenizer"]),
+                                  peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    forwards = counting_forwards(trainer)
+    checks, compute_loss = [], trainer.compute_loss
+
+    def checked(model, inputs, return_outputs=False, num_items_in_batch=None):
+        teachers = [trainer.teacher.members["a"].module, AdaptersOff(trainer.model)]
+        with torch.no_grad():
+            expected, _ = formula(trainer, dict(inputs), teachers, "reverse_kl")
+        calls, route = len(forwards["base"]), inputs[ROUTE].tolist()
+        loss, outputs = compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        checks.append((outputs["kd_loss"].item(), expected.item(), forwards["base"][calls:], max(route.count(1), 1)))
+        return (loss, outputs) if return_outputs else loss
+
+    trainer.compute_loss = checked
+    history = trained(trainer)
+    assert len(checks) == 3
+    for kd, expected, ran, rows in checks:
+        assert kd == pytest.approx(expected, rel=1e-4, abs=1e-9)
+        assert ran == [rows]
+    base = logged(history, "kd_loss/base")
+    assert base[1] == 0.0 and base[3] > 0
 
 
 def test_on_policy_routed_losses_are_each_teacher_on_its_own_rows_at_every_step(tiny_pair, second_teacher, tmp_path):

@@ -79,6 +79,7 @@ def test_a_trainer_builds_its_teacher_through_the_registry(tiny_pair, tmp_path, 
     assert type(trainer.teacher) is LiveTeacher and trainer.teacher.tokenizer is None  # the stand-in's, untouched
 
 
-def test_self_in_a_teacher_list_is_one_line(tmp_path):
-    with pytest.raises(ValueError, match=r"teachers: a=self: self-distillation takes the student's base as its one "):
-        config(tmp_path, teachers=["a=self", "b=/m"])
+def test_self_twice_in_a_teacher_list_is_one_line(tmp_path):
+    assert [spec.kind for spec in config(tmp_path, teachers=["a=self", "b=/m"]).teachers] == ["self", "model"]
+    with pytest.raises(ValueError, match=r"teachers: \['a', 'c'\] are all 'self': the student's base is one teacher"):
+        config(tmp_path, teachers=["a=self", "b=/m", "c=self"])

@@ -21,6 +21,7 @@ class SelfTeacher(TeacherSource):
     attaches. Runs once per micro-batch: its forward is the student's own engine."""
 
     name = SELF
+    routes_own_rows = True  # routed among several: the base runs on its own rows only
     refused = {
         "teacher-prompt": TEACHER_PROMPT_REFUSAL,
         "cross-tokenizer": "teacher 'self' is the student's own base model and shares its tokenizer: cross-tokenizer "

@@ -103,9 +103,8 @@ def check_teachers(args) -> None:
         raise ValueError("teachers is empty: list at least one NAME=SOURCE, or pass one teacher with "
                          "--teacher_model_name_or_path.")
     selves = [spec.name for spec in specs if spec.kind == "self"]
-    if selves:
-        raise ValueError(f"teachers: {selves[0]}=self: self-distillation takes the student's base as its one teacher; "
-                         "pass it alone (--teacher_model_name_or_path self with --use_peft).")
+    if len(selves) > 1:
+        raise ValueError(f"teachers: {selves} are all 'self': the student's base is one teacher; list it once.")
     names = [spec.name for spec in specs]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
