@@ -27,6 +27,7 @@ from trl_distill.cli.plan import main as plan_main
 from trl_distill.data.batch import loss_tokens
 from trl_distill.loss.divergences import DIVERGENCES
 from trl_distill.teacher.panel import ROUTE
+from trl_distill.teacher.served import ServedTeacher
 from trl_distill.testing import (
     build_tiny_model,
     launch,
@@ -134,6 +135,32 @@ def test_a_live_and_a_served_teacher_mixed(served, tmp_path):
     assert parts["srv"] == pytest.approx(0.75 * logged(srv, "kd_loss")[1], rel=1e-5)
     assert logged(mixed, "kd_loss")[1] == pytest.approx(parts["live"] + parts["srv"], rel=1e-6)
     assert logged(srv, "kd_loss")[1] < logged(live, "kd_loss")[1]  # the top-64 buckets: a lower bound of the full KL
+
+
+def test_a_routed_server_is_asked_for_its_own_rows_only(served, tmp_path, monkeypatch):
+    """Routed live + served: each collated batch asks the server for the served teacher's rows only (nothing when it
+    has none), and the run trains exactly as when the server was asked for every row and the loss picked its own."""
+    pair = {"student": served["student"], "tokenizer": served["teacher"]}
+    common = dict(temperature=1.0, max_length=64, per_device_train_batch_size=3)
+    data = dataset(["live", "srv", "live", "live"])  # a batch of 3 rows may hold none of the served teacher's
+    teachers = [f"live={served['teacher']}", f"srv={served['url']}"]
+    runs, asked = {}, {}
+    for own in (True, False):
+        monkeypatch.setattr(ServedTeacher, "routes_own_rows", own)  # False: the earlier path, every row asked for
+        trainer = trainer_for(pair, tmp_path / str(own), data, teachers=teachers, **common)
+        member = trainer.teacher.members["srv"]
+        sent, request = [], member.request
+        member.request = lambda batch, *a, sent=sent, request=request: sent.append(len(batch["input_ids"])) or \
+            request(batch, *a)
+        routes = [batch["teacher_route"].tolist() for batch in trainer.get_train_dataloader()]
+        asked[own] = (sent[:len(routes)], routes)
+        runs[own] = trained(trainer)
+    sent, routes = asked[True]
+    want = [route.count(1) for route in routes if 1 in route]
+    assert sent[:len(want)] == want and any(1 not in route for route in routes)
+    assert asked[False][0] == [len(route) for route in asked[False][1]]
+    assert_same_losses(runs[True], runs[False], rel=1e-6)
+    assert all(v > 0 for v in logged(runs[True], "kd_loss/srv").values())
 
 
 @pytest.mark.distributed

@@ -186,19 +186,36 @@ def test_what_several_teachers_on_policy_cannot_do_is_one_line(tmp_path, overrid
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
+def rows_sent(member) -> list[int]:
+    """The rows of each request a served teacher sends (recorded as it is asked)."""
+    sent, ask = [], member.request
+
+    def counted(batch, *args):
+        sent.append(len(batch["input_ids"]))
+        return ask(batch, *args)
+
+    member.request = counted
+    return sent
+
+
 def test_a_served_teacher_scores_its_rows_of_the_students_samples(served, tmp_path):
-    """Routed live + served on the student's samples: the served teacher's part is the served teacher alone on its
-    rows of the same samples (its top-64, fetched for the sampled rows); the live one's is the formula on its rows."""
+    """Routed live + served on the student's samples: the server is asked for the served teacher's own rows only,
+    its part is the served teacher alone on its rows of the same samples (its top-64, fetched for the sampled rows);
+    the live one's is the formula on its rows."""
     pair = {"student": served["student"], "tokenizer": served["teacher"]}
     common = dict(temperature=1.0, max_length=64, **ON_POLICY)
     panel = trainer_for(pair, tmp_path / "panel", dataset(["live", "srv"]), teachers=[
         f"live={served['teacher']}", f"srv={served['url']}"], **common)
     alone = trainer_for(pair, tmp_path / "alone", dataset(), teacher_server=served["url"], **common)
+    sent = rows_sent(panel.teacher.members["srv"])
     batch = panel._prepare_inputs(next(iter(panel.get_train_dataloader())))
     alone.get_train_dataloader()
+    assert sent[0] == int((batch[ROUTE] == 1).sum())  # the dataset's rows: its own only (the loader may collate ahead)
+    before = len(sent)
     sampled, _ = panel.sampler.sample(STUDENT, batch)
     route = sampled[ROUTE].clone()
     assert sorted(set(route.tolist())) == [0, 1]
+    assert sent[before:] == [int((route == 1).sum())]  # the samples: its own only
     mine = {k: v[route == 1] for k, v in sampled.items() if k in ("input_ids", "attention_mask", "labels")}
     alone.teacher.score_sampled(mine)
     panel.model.train(), alone.model.train()

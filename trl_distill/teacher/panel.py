@@ -174,10 +174,31 @@ class TeacherPanel(TeacherSource):
 
     def collator(self, base):
         """Each member's collator around the last, in the order listed; routing outermost (it reads the rows'
-        teacher index)."""
+        teacher index), and then, routed, each server asked for its own rows only."""
+        asking = [(i, member) for i, member in enumerate(self.members.values()) if self._asks_own_rows(member)]
         for member in self.members.values():
-            base = member.collator(base)
-        return RouteCollator(base) if self.routed else base
+            if not self._asks_own_rows(member):
+                base = member.collator(base)
+        return RouteCollator(base, asking, self._ask) if self.routed else base
+
+    def _asks_own_rows(self, member) -> bool:
+        """A routed member that asks for its rows' signal as they are collated (a server): only for its own."""
+        return self.routed and member.routes_own_rows and getattr(member, "signal_key", None) is not None
+
+    @staticmethod
+    def _ask(batch: dict, asking: list, score=None) -> None:
+        """Each member of `asking` (``(index, member)``) asked for the signal of its own rows of `batch` only
+        (`score`: how, by default its `request`); a member with no rows there gets an empty signal."""
+        for i, member in asking:
+            picked = batch[ROUTE] == i
+            if not picked.any():
+                batch[member.signal_key] = member.no_rows()
+            elif score is None:
+                batch[member.signal_key] = member.request(own_rows(batch, picked))
+            else:
+                rows = own_rows(batch, picked)
+                score(member, rows)
+                batch[member.signal_key] = rows[member.signal_key]
 
     def prepare(self, accelerator, device: torch.device) -> None:
         for member in self.members.values():
@@ -239,8 +260,12 @@ class TeacherPanel(TeacherSource):
         what it scores them with (a server its top-k, a teacher of another tokenizer its own ids)."""
         if self.routed and source is not None and ROUTE in source:
             batch[ROUTE] = source[ROUTE].to(batch["input_ids"].device)
+        asking = [(i, member) for i, member in enumerate(self.members.values()) if self._asks_own_rows(member)]
         for member in self.members.values():
-            member.score_sampled(batch, source)
+            if not (self._asks_own_rows(member) and ROUTE in batch):
+                member.score_sampled(batch, source)
+        if ROUTE in batch:
+            self._ask(batch, asking, lambda member, rows: member.score_sampled(rows, source))
 
     def after_loss(self) -> None:
         for member in self.members.values():
@@ -302,15 +327,18 @@ class PanelBatch(TeacherBatch):
 
 
 class RouteCollator:
-    """Wraps the trainer's collator: pops each example's teacher index and adds the rows' ``[B]`` to the batch."""
+    """Wraps the trainer's collator: pops each example's teacher index and adds the rows' ``[B]`` to the batch; then
+    `ask` (the panel's) asks each member of `asking` for its own rows' signal."""
 
-    def __init__(self, collator):
-        self.collator = collator
+    def __init__(self, collator, asking: list = (), ask=None):
+        self.collator, self.asking, self.ask = collator, list(asking), ask
 
     def __call__(self, examples: list[dict]) -> dict:
         route = torch.tensor([int(example[ROUTE]) for example in examples], dtype=torch.long)
         batch = self.collator([{k: v for k, v in example.items() if k != ROUTE} for example in examples])
         batch[ROUTE] = route
+        if self.asking:
+            self.ask(batch, self.asking)
         return batch
 
 

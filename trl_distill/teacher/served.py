@@ -63,6 +63,7 @@ class ServedTeacher(TeacherSource):
     }
 
     signal_key = SIGNAL  # its batch key (one per teacher when several teach)
+    routes_own_rows = True  # routed among several: the panel asks it for its own rows only (`request`, `no_rows`)
 
     def __init__(self, url: str, model: str | None, top_k: int = 64, timeout: float = 120.0, concurrency: int = 4):
         self.client = TeacherServerClient(url, model or "", timeout=timeout)
@@ -211,6 +212,11 @@ class ServedTeacher(TeacherSource):
             self._pool, self._pool_pid = RequestPool(self.concurrency), os.getpid()
         fetch = partial(self.fetch_arrays, sampled_only=sampled_only)
         return SignalHolder(self._pool.submit(fetch, rows, positions), build=signal_of)
+
+    def no_rows(self) -> SignalHolder:
+        """The signal of no rows (routed: a batch with none of this teacher's rows), asked of no one."""
+        k = self.top_k
+        return SignalHolder(SparseTeacherSignal(torch.zeros(0, k, dtype=torch.long), torch.zeros(0, k), torch.zeros(0)))
 
     def fetch(self, rows: list[list[int]], positions: list[np.ndarray],
               stop: threading.Event | None = None) -> SparseTeacherSignal:
