@@ -21,11 +21,12 @@ def dataset(names=None, rows=32):
     return data if names is None else data.add_column("teacher", [names[i % len(names)] for i in range(rows)])
 
 
-def trainer_for(pair, tmp_path, data, **overrides) -> DistillationTrainer:
+def trainer_for(pair, tmp_path, data, eval_dataset=None, **overrides) -> DistillationTrainer:
     settings = tiny_run_settings(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3,
                                  save_strategy="no", use_cpu=True, kd_temperature_scaling=False)
     settings.update(overrides)
     return DistillationTrainer(pair["student"], args=DistillationConfig(**settings), train_dataset=data,
+                               eval_dataset=eval_dataset,
                                processing_class=AutoTokenizer.from_pretrained(pair["tokenizer"]))
 
 
@@ -149,7 +150,8 @@ def test_a_teacher_of_another_tokenizer_scores_each_aligned_groups_text(tiny_pai
         pair, teacher = tiny_pair, other_teacher
     else:
         pair, teacher = {"student": other_teacher, "tokenizer": other_teacher}, tiny_pair["teacher"]
-    trainer = trainer_for(pair, tmp_path, dataset(), teacher_model_name_or_path=teacher, max_steps=2, **SAMPLED)
+    trainer = trainer_for(pair, tmp_path, dataset(), teacher_model_name_or_path=teacher, max_steps=2,
+                          eval_dataset=synthetic_prompt_completion(8, seed=5), **SAMPLED)
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     trainer.teacher.score_sampled(batch, dict(batch))  # the completions, as if the student had sampled them
     lengths = batch["cross_tokenizer_batch"][4]
@@ -164,6 +166,7 @@ def test_a_teacher_of_another_tokenizer_scores_each_aligned_groups_text(tiny_pai
     trainer.train()
     gaps = logged(trainer.state.log_history, "sampled_token_teacher_gap")
     assert list(gaps) == [1, 2] and all(-50 < v < 50 and v != 0 for v in gaps.values()), gaps
+    assert trainer.evaluate()["eval_loss"] > 0  # the eval split's completions: scored by the divergence
 
 
 def test_the_ratio_is_against_the_rollout_servers_log_probs(rollout_server, tiny_pair, tmp_path):

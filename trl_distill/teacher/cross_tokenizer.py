@@ -210,10 +210,9 @@ class CrossTokenizerTeacher(LiveTeacher):
         # a group counts only where the student has a loss token at its position (never a neighbour's row)
         valid = (keep[column] == s_pos) & mask.flatten()[flat] if keep.numel() else torch.zeros_like(s_pos, dtype=bool)
         rows, s_pos, t_pos, flat = rows[valid], s_pos[valid], t_pos[valid], flat[valid]
-        sampled_token = self.args.on_policy_objective == "sampled_token"
-        if sampled_token and lengths is None:
-            raise ValueError("on_policy_objective='sampled_token' across tokenizers scores the student's own samples: "
-                             "this batch holds none (set lmbda=1).")
+        # the sampled-token objective reads the student's samples (their groups' token counts come with them); an
+        # eval batch of the dataset's completions is scored by the divergence
+        sampled_token = self.args.on_policy_objective == "sampled_token" and lengths is not None
         spans = lengths[valid] if sampled_token else None
         reach = torch.cat([t_pos, *([] if spans is None else [group_spread(t_pos, spans[:, 1])])])
         keep_t = torch.unique(reach)  # each group's first position; with the sampled tokens, all of its positions
