@@ -5,6 +5,7 @@ nothing; bad input is one line."""
 
 import pytest
 import torch
+from datasets import Dataset
 from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
@@ -83,6 +84,25 @@ def test_the_prompt_as_teacher_prompt_prepares_the_rows_as_without(tiny_pair, ot
     columns = ("teacher_input_ids", "cross_student_positions", "cross_teacher_positions", TEACHER_PROMPT)
     for column in columns:
         assert same.train_dataset[column] == plain.train_dataset[column], column
+
+
+def test_a_conversational_teacher_prompt_that_quotes_the_answer(tiny_pair, other_teacher, tmp_path):
+    """Messages: the teacher's user turn quotes the reference answer, and the completion is still aligned on the
+    assistant turn (not on its quote in the prompt): every group lies after the teacher prompt, which is the
+    teacher's own chat template up to its generation prompt."""
+    rows = synthetic_prompt_completion(8)
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
+                               "completion": [{"role": "assistant", "content": r["completion"].strip()}],
+                               "hinted": [{"role": "user", "content": f"{r['prompt']} answer: {r['completion']}"}]}
+                              for r in rows])
+    trainer = make(tiny_pair, other_teacher, tmp_path, data=data, teacher_prompt="hinted")
+    teacher_tok = trainer.teacher.teacher_tokenizer
+    for i in range(len(data)):
+        row = trainer.train_dataset[i]
+        prompt = teacher_tok.apply_chat_template(data[i]["hinted"], add_generation_prompt=True, tokenize=False)
+        assert row[TEACHER_PROMPT] == teacher_tok(prompt, add_special_tokens=False)["input_ids"]
+        assert len(row["cross_teacher_positions"]) >= 3
+        assert min(row["cross_teacher_positions"]) >= len(row[TEACHER_PROMPT]) - 1  # in the assistant turn
 
 
 def test_a_teacher_prompt_of_another_kind_than_the_prompt_is_one_line(tiny_pair, other_teacher, tmp_path):

@@ -142,7 +142,7 @@ def test_a_routed_server_is_asked_for_its_own_rows_only(served, tmp_path, monkey
     has none), and the run trains exactly as when the server was asked for every row and the loss picked its own."""
     pair = {"student": served["student"], "tokenizer": served["teacher"]}
     common = dict(temperature=1.0, max_length=64, per_device_train_batch_size=3)
-    data = dataset(["live", "srv", "live", "live"])  # a batch of 3 rows may hold none of the served teacher's
+    data = dataset(["live", "srv", "srv", "live", "live", "live"])  # batches of 3 with 0, 1, 2 served rows
     teachers = [f"live={served['teacher']}", f"srv={served['url']}"]
     runs, asked = {}, {}
     for own in (True, False):
@@ -158,9 +158,10 @@ def test_a_routed_server_is_asked_for_its_own_rows_only(served, tmp_path, monkey
     sent, routes = asked[True]
     want = [route.count(1) for route in routes if 1 in route]
     assert sent[:len(want)] == want and any(1 not in route for route in routes)
+    assert any(route.count(1) >= 2 for route in routes)  # rows kept in order within a request, checked below
     assert asked[False][0] == [len(route) for route in asked[False][1]]
     assert_same_losses(runs[True], runs[False], rel=1e-6)
-    assert all(v > 0 for v in logged(runs[True], "kd_loss/srv").values())
+    assert any(v > 0 for v in logged(runs[True], "kd_loss/srv").values())
 
 
 @pytest.mark.distributed

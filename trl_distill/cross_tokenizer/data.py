@@ -35,15 +35,18 @@ def _is_conversation(value) -> bool:
 
 def render(example: dict, tokenizer) -> tuple[str, list[tuple[int, int]], bool] | None:
     """``(text, completion character spans, is_chat)`` of `example` as `tokenizer` renders it; None when an
-    assistant message's content is not in its chat template's text."""
+    assistant message's content is not in its chat template's text. Each assistant message is looked for after the
+    rendering of the messages before it (its own prompt may quote it: a teacher prompt holding the answer)."""
     if "messages" in example or _is_conversation(example.get("prompt")):
         messages = example["messages"] if "messages" in example else example["prompt"] + example["completion"]
-        trained = messages if "messages" in example else example["completion"]
+        first = 0 if "messages" in example else len(example["prompt"])  # the index of the first trained message
         text = tokenizer.apply_chat_template(messages, tokenize=False)
         spans, cursor = [], 0
-        for message in trained:
+        for index in range(first, len(messages)):
+            message = messages[index]
             if message["role"] != "assistant" or not message["content"]:
                 continue
+            cursor = max(cursor, _prefix_length(tokenizer, messages[:index], text))
             start = text.find(message["content"], cursor)
             if start < 0:
                 return None
@@ -54,6 +57,18 @@ def render(example: dict, tokenizer) -> tuple[str, list[tuple[int, int]], bool] 
         text = example["prompt"] + example["completion"]
         return text, [(len(example["prompt"]), len(text))], False
     return example["text"], [(0, len(example["text"]))], False
+
+
+def _prefix_length(tokenizer, before: list[dict], text: str) -> int:
+    """The length of the rendering of the messages `before` an assistant turn (with the generation prompt), when
+    `text` starts with it; else 0 (a template whose renderings are not prefixes of each other)."""
+    if not before:
+        return 0
+    try:
+        prefix = tokenizer.apply_chat_template(before, tokenize=False, add_generation_prompt=True)
+    except Exception:  # a template that refuses a conversation ending before an assistant turn
+        return 0
+    return len(prefix) if text.startswith(prefix) else 0
 
 
 def _tokenize(tokenizer, text: str, chat: bool) -> tuple[list[int], list[tuple[int, int]]]:

@@ -40,6 +40,8 @@ def align_sampled(completion_ids: list[int], ended: bool, student_tokenizer, tea
     groups = align_offsets(student_offsets, teacher_offsets, span=(0, len(text)), widen=False) if text else []
     # a group whose text holds U+FFFD stands for bytes the decode could not read (a sampled run of byte tokens that
     # is no UTF-8): the teacher would read that replacement character, not the student's bytes, so it is left out
+    # (the groups after it are kept: both read the same text there, after a prefix where the teacher reads U+FFFD
+    # for the student's bytes)
     groups = [g for g in groups if "\ufffd" not in text[student_offsets[g.student[0]][0]:
                                                           student_offsets[g.student[1] - 1][1]]]
     if ended and teacher_tokenizer.eos_token_id is not None:

@@ -52,11 +52,13 @@ class SampledTokenSettings:
 @dataclass
 class SampledTokenJob:
     """One micro-batch's sampled-token loss: its settings, the task reward of each completion (``[B]``, or None) and
-    what the loss counted (filled as it runs: summed advantages, clipped tokens, tokens)."""
+    what the loss counted (filled as it runs: summed advantages, the summed teacher gap and the tokens it covers,
+    clipped tokens, tokens)."""
 
     settings: SampledTokenSettings
     rewards: Tensor | None = None
-    stats: dict = field(default_factory=lambda: dict.fromkeys(("advantage", "gap", "clipped", "tokens"), 0.0))
+    stats: dict = field(default_factory=lambda: dict.fromkeys(("advantage", "gap", "gap_tokens", "clipped", "tokens"),
+                                                              0.0))
 
 
 def discounted(rewards: Tensor, sequence: Tensor, gamma: float) -> Tensor:
@@ -109,6 +111,7 @@ class SampledTokenSignal(TeacherSignal):
         s = self.job.settings
         student = student_logp.gather(1, self.labels[rows, None]).squeeze(1)
         with torch.no_grad():
+            covered = ~torch.isnan(teacher)
             gap = no_teacher_no_gap(teacher.to(student) - student.detach())
             if self.advantages is not None:
                 advantage = self.advantages[rows].to(student)
@@ -124,6 +127,7 @@ class SampledTokenSignal(TeacherSignal):
             stats = self.job.stats
             stats["advantage"] += float(advantage.sum())
             stats["gap"] += float(gap.sum())
+            stats["gap_tokens"] += int(covered.sum())
             stats["clipped"] += float(((clipped * advantage) < (ratio * advantage)).sum())
             stats["tokens"] += advantage.numel()
         return -surrogate

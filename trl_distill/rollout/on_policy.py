@@ -173,8 +173,10 @@ class CompletionSampler:
             from .task_rewards import TaskRewards
 
             self.task_rewards = TaskRewards(context.args, context.tokenizer, task_columns)
-        # the sampled-token objective's counts since the last log: advantage, gap, clipped, tokens; reward, rows
-        self.objective = dict.fromkeys(("advantage", "gap", "clipped", "tokens", "reward", "rewarded"), 0.0)
+        # the sampled-token objective's counts since the last log: advantage, gap (and the tokens with a teacher
+        # log-prob), clipped, tokens; reward, rows
+        self.objective = dict.fromkeys(("advantage", "gap", "gap_tokens", "clipped", "tokens", "reward", "rewarded"),
+                                       0.0)
         self.stats = dict.fromkeys(("micro_steps", "on_policy", "rows", "tokens", "ended", "ngrams", "repeated"), 0)
         self.on_policy = False  # whether the current micro-batch's completions are the student's own samples
         self.engine = None
@@ -300,11 +302,13 @@ class CompletionSampler:
                              device=device)
         micro_steps, on_policy, rows, tokens, ended, grams, repeated, *rest = \
             accelerator.reduce(stats, reduction="sum").tolist()
-        (advantage, gap, clipped, scored, reward, rewarded), engine, span = rest[:6], rest[6:-1], rest[-1]
+        (advantage, gap, gap_tokens, clipped, scored, reward, rewarded), engine, span = rest[:7], rest[7:-1], rest[-1]
         self.objective = dict.fromkeys(self.objective, 0.0)
         if scored:  # the sampled-token objective (TRL GRPO's clip_ratio)
             logs["sampled_token_advantage"] = advantage / scored
-            logs["sampled_token_teacher_gap"] = gap / scored  # mean log p_teacher − log p_student of sampled tokens
+            # mean log p_teacher − log p_student of the sampled tokens the teacher scores (across tokenizers: those
+            # in an aligned group)
+            logs["sampled_token_teacher_gap"] = gap / max(gap_tokens, 1)
             logs["clip_ratio"] = clipped / scored
         if rewarded:
             logs["task_reward"] = reward / rewarded
