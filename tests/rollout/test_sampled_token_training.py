@@ -118,13 +118,11 @@ def test_what_cannot_combine_is_one_line(tmp_path, overrides, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-def expected_across(trainer, batch) -> torch.Tensor:
-    """The loss across tokenizers (float64): each aligned group's teacher log-prob of its text (its own teacher tokens
-    summed, from the teacher's own logits) shared equally by its student tokens; a token no group covers has no
-    teacher reward. Asserts each group's tokens stand for the same text on both sides."""
-    teacher = trainer.teacher
+def across_share(teacher, batch, mask) -> torch.Tensor:
+    """Per sampled token (float64, NaN where no group covers it): the teacher of another tokenizer's log-prob of its
+    aligned group's text (its own teacher tokens summed, from its own logits) over the group's student tokens.
+    Asserts each group's tokens stand for the same text on both sides."""
     teacher_ids, teacher_mask, groups, _, lengths = batch["cross_tokenizer_batch"]
-    student, mask = token_log_probs(trainer.model, batch)
     teacher_logp = F.log_softmax(teacher.module(input_ids=teacher_ids, attention_mask=teacher_mask).logits.double(), -1)
     share = torch.full(mask.shape, float("nan"), dtype=torch.float64)
     for (row, s_pos, t_pos), (n_s, n_t) in zip(groups.tolist(), lengths.tolist(), strict=True):
@@ -133,11 +131,44 @@ def expected_across(trainer, batch) -> torch.Tensor:
                 == teacher.teacher_tokenizer.decode(t_ids, skip_special_tokens=True).strip())
         text = sum(teacher_logp[row, t_pos + k, int(t_ids[k])] for k in range(n_t))
         share[row, s_pos:s_pos + n_s] = text / n_s
-    share = share[mask]
+    return share[mask]
+
+
+def expected_across(trainer, batch) -> torch.Tensor:
+    """The loss across tokenizers: a token no group covers has no teacher reward."""
+    student, mask = token_log_probs(trainer.model, batch)
+    share = across_share(trainer.teacher, batch, mask)
     assert int(torch.isfinite(share).sum()) >= 5  # sampled tokens in aligned groups (an untrained student's random
     # bytes that decode to no text, U+FFFD, lie in none)
     gap = torch.where(torch.isnan(share), 0.0, share - student)
     return -(trainer.args.sampled_token_kl_coef * gap).mean()
+
+
+def test_a_teacher_of_another_tokenizer_routed_beside_one_of_the_students(tiny_pair, other_teacher, tmp_path):
+    """Routed on the student's samples: each row's tokens take their own teacher's log-prob, the student's-tokenizer
+    teacher's per token and the other's per aligned group, every step."""
+    trainer = trainer_for(tiny_pair, tmp_path, dataset(["a", "b"]), max_steps=2,
+                          teachers=[f"a={tiny_pair['teacher']}", f"b={other_teacher}"], **SAMPLED)
+    checks, compute_loss = [], trainer.compute_loss
+
+    def checked(model, inputs, return_outputs=False, num_items_in_batch=None):
+        route = inputs[ROUTE]
+        with torch.no_grad():
+            student, mask = token_log_probs(trainer.model, inputs)
+            own = token_log_probs(trainer.teacher.members["a"].module, inputs)[0]
+            across = across_share(trainer.teacher.members["b"], inputs, mask)
+            teacher = torch.where(route[:, None].expand_as(mask)[mask] == 0, own, across)
+            gap = torch.where(torch.isnan(teacher), 0.0, teacher - student)
+            want = -(trainer.args.sampled_token_kl_coef * gap).mean()
+        loss, outputs = compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        checks.append((outputs["kd_loss"].item(), want.item(), sorted(set(route.tolist()))))
+        return (loss, outputs) if return_outputs else loss
+
+    trainer.compute_loss = checked
+    trainer.train()
+    assert len(checks) == 2 and [0, 1] in [routes for *_, routes in checks]
+    for kd, want, _ in checks:
+        assert kd == pytest.approx(want, rel=1e-5, abs=1e-7)
 
 
 @pytest.mark.parametrize("teacher_reads", ["words", "characters"])
