@@ -76,3 +76,20 @@ def test_discount_sums_the_rest_of_each_completion():
     rewards = torch.tensor([1.0, 2.0, 3.0, 10.0, 20.0])
     out = discounted(rewards, torch.tensor([0, 0, 0, 1, 1]), 0.5)
     torch.testing.assert_close(out, torch.tensor([1 + 0.5 * 2 + 0.25 * 3, 2 + 0.5 * 3, 3.0, 10 + 0.5 * 20, 20.0]))
+
+
+@pytest.mark.parametrize("discount", [0.0, 0.9])
+def test_a_nan_teacher_log_prob_is_not_silenced(discount):
+    """Only a signal's declared uncovered tokens (a teacher of another tokenizer) get no teacher reward; a NaN from
+    any other teacher reaches the loss, where the NaN guard stops the run."""
+    torch.manual_seed(0)
+    h, weight = torch.randn(B * K, H, dtype=torch.float64), torch.randn(V, H, dtype=torch.float64)
+    t_logits = torch.randn(B * K, V, dtype=torch.float64)
+    t_logits[3] = float("nan")
+    labels, rows = torch.randint(0, V, (B * K,)), torch.arange(B * K)
+    job = SampledTokenJob(SampledTokenSettings(discount=discount))
+    signal = sampled_token_signal(DenseTeacherSignal(t_logits, None, V, 1.0), job, rows, labels, K, h, LMHead(weight,
+                                  None), V, 4, None)
+    kd, _ = fused_loss(h, LMHead(weight, None), signal, LossSettings("reverse_kl", chunk_size=4, ce_grad=False), rows,
+                       labels)
+    assert torch.isnan(kd)

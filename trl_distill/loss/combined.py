@@ -102,6 +102,9 @@ class RoutedSignal(TeacherSignal):
     def token_log_probs(self, chunk, labels: Tensor) -> Tensor:
         return self.signals[self._owner].token_log_probs(chunk, labels)  # the teacher of the chunk asked for last
 
+    def token_coverage(self, chunk) -> Tensor | None:
+        return self.signals[self._owner].token_coverage(chunk)
+
 
 class MixtureSignal(TeacherSignal):
     """The mixture ``Σ w_i p_i`` of dense teachers' distributions (weights summing to 1) as one teacher."""

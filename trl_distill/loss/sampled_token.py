@@ -74,9 +74,10 @@ def discounted(rewards: Tensor, sequence: Tensor, gamma: float) -> Tensor:
     return out.to(rewards)
 
 
-def no_teacher_no_gap(gap: Tensor) -> Tensor:
-    """`gap` with 0 where the teacher has no log-prob of the token (NaN: another tokenizer's text no group covers)."""
-    return torch.where(torch.isnan(gap), 0.0, gap)
+def covered_gap(gap: Tensor, covered: Tensor | None) -> Tensor:
+    """`gap` with 0 on the tokens the teacher has no log-prob of (`covered` False: another tokenizer's text no group
+    covers); None covers every token, and a NaN anywhere else stays NaN (the loss guard stops the run)."""
+    return gap if covered is None else torch.where(covered.to(gap.device), gap, 0.0)
 
 
 def task_advantages(rewards: Tensor | None, sequence: Tensor, weight: float) -> Tensor | None:
@@ -104,15 +105,15 @@ class SampledTokenSignal(TeacherSignal):
 
     def chunk(self, rows: slice, compute: torch.dtype):
         inner = self.inner.chunk(rows, compute)
-        return inner, rows, self.inner.token_log_probs(inner, self.labels[rows]).detach()
+        teacher = self.inner.token_log_probs(inner, self.labels[rows]).detach()
+        return inner, rows, teacher, self.inner.token_coverage(inner)
 
     def per_token(self, student_logp: Tensor, chunk, settings: LossSettings) -> Tensor:
-        _, rows, teacher = chunk
+        _, rows, teacher, covered = chunk
         s = self.job.settings
         student = student_logp.gather(1, self.labels[rows, None]).squeeze(1)
         with torch.no_grad():
-            covered = ~torch.isnan(teacher)
-            gap = no_teacher_no_gap(teacher.to(student) - student.detach())
+            gap = covered_gap(teacher.to(student) - student.detach(), covered)
             if self.advantages is not None:
                 advantage = self.advantages[rows].to(student)
             else:
@@ -127,7 +128,7 @@ class SampledTokenSignal(TeacherSignal):
             stats = self.job.stats
             stats["advantage"] += float(advantage.sum())
             stats["gap"] += float(gap.sum())
-            stats["gap_tokens"] += int(covered.sum())
+            stats["gap_tokens"] += int(covered.sum()) if covered is not None else gap.numel()
             stats["clipped"] += float(((clipped * advantage) < (ratio * advantage)).sum())
             stats["tokens"] += advantage.numel()
         return -surrogate
@@ -162,8 +163,9 @@ def sampled_token_signal(inner: TeacherSignal, job: SampledTokenJob, rows: Tenso
             picked = states.index_select(0, rows[part])
             logits = (picked if head is None else head.logits(picked))[:, :vocab].to(compute)
             student = F.log_softmax(logits, -1).gather(1, labels[part, None]).squeeze(1)
-            teacher = inner.token_log_probs(inner.chunk(part, compute), labels[part])
-            gaps[part] = no_teacher_no_gap(teacher.double() - student.double())
+            chunk = inner.chunk(part, compute)
+            teacher = inner.token_log_probs(chunk, labels[part])
+            gaps[part] = covered_gap(teacher.double() - student.double(), inner.token_coverage(chunk))
     advantages = discounted(s.kl_coef * gaps, sequence, s.discount)
     if extra is not None:
         advantages = advantages + extra

@@ -62,8 +62,12 @@ class TeacherSignal(ABC):
 
     def token_log_probs(self, chunk: Any, labels: Tensor) -> Tensor:
         """The teacher's log-prob of each row's token `labels` ``[c]`` from this chunk (the sampled-token objective,
-        `loss.sampled_token`), NaN where it has none (a token of another tokenizer's text no aligned group covers);
-        a signal that does not hold it refuses."""
+        `loss.sampled_token`); a signal that does not hold it refuses."""
         raise ValueError(f"on_policy_objective='sampled_token' reads the teacher's log-prob of each sampled token, "
                          f"which {type(self).__name__} does not give: use one teacher (or several routed), or "
                          "on_policy_objective='divergence'.")
+
+    def token_coverage(self, chunk: Any) -> Tensor | None:
+        """Which rows of this chunk `token_log_probs` has a log-prob for (``[c]`` bool); None: every row. Only a
+        teacher of another tokenizer lacks some (a sampled token no aligned group covers)."""
+        return None

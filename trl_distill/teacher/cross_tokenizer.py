@@ -348,6 +348,10 @@ class CrossTokenizerSignal(TeacherSignal):
             raise RuntimeError("The cross-tokenizer teacher computed no sampled-token log-probs for this batch.")
         return chunk[2]
 
+    def token_coverage(self, chunk) -> torch.Tensor | None:
+        """The sampled tokens an aligned group covers (the others have no teacher log-prob)."""
+        return None if chunk[2] is None else ~torch.isnan(chunk[2])
+
     def per_token(self, student_logp: torch.Tensor, chunk, settings: LossSettings) -> torch.Tensor:
         is_group, teacher_scaled, _ = chunk
         matched, uld = divergence_at_temperature(student_logp, teacher_scaled, self.loss.vocabulary, settings)
