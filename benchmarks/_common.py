@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -64,3 +65,38 @@ def step_timer(split=None):
                 self.split.snapshot()
 
     return StepTimer()
+
+
+def summarise(values: list[float]) -> dict:
+    """``{"median", "min", "max"}`` of per-repeat values (what `median_range` prints)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def timed_into(function, spent: list[float]):
+    """`function`, adding the seconds each call takes to ``spent[0]``."""
+
+    def timed(*arguments, **keywords):
+        start = time.perf_counter()
+        try:
+            return function(*arguments, **keywords)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    return timed
+
+
+def train_timed(trainer, spent: list[float]) -> dict:
+    """Train; the mean seconds per optimizer step after the first (logit check, warm-up), ``step_s``, and of them
+    the seconds `spent` gathered (a `timed_into` counter), ``teacher_s``."""
+    from transformers import TrainerCallback
+
+    marks = []  # (time, seconds spent so far) at each optimizer step's end: a step is from one end to the next
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *_, **__):
+            marks.append((time.perf_counter(), spent[0]))
+
+    trainer.add_callback(Clock())
+    trainer.train()
+    steps = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks, marks[1:])]
+    return {"step_s": statistics.mean(s for s, _ in steps), "teacher_s": statistics.mean(t for _, t in steps)}

@@ -19,13 +19,12 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, replace_readme_block  # noqa: E402
+from _common import machine, replace_readme_block, summarise, timed_into, train_timed  # noqa: E402
 from trainers import synthetic_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +71,7 @@ def build(cfg: dict, directory: Path) -> dict:
 
 def run(paths: dict, cfg: dict, scenario: dict, own_rows: bool, out: Path) -> dict:
     """One run; the teachers' forward seconds and the step seconds of each optimizer step after the first."""
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
 
     from trl_distill import DistillationConfig, DistillationTrainer
 
@@ -85,31 +84,9 @@ def run(paths: dict, cfg: dict, scenario: dict, own_rows: bool, out: Path) -> di
     spent = [0.0]
     for member in trainer.teacher.members.values():
         member.routes_own_rows = own_rows
-        forward = member.features
-
-        def timed(inputs, positions=None, forward=forward):
-            start = time.perf_counter()
-            try:
-                return forward(inputs, positions)
-            finally:
-                spent[0] += time.perf_counter() - start
-
-        member.features = timed
-    marks = []  # (time, teacher seconds so far) at each optimizer step's end: a step is from one end to the next
-    # (the once-per-step pass runs in `get_batch_samples`, before `on_step_begin`)
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, *_, **__):
-            marks.append((time.perf_counter(), spent[0]))
-
-    trainer.add_callback(Clock())
-    trainer.train()
-    steps = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks, marks[1:])]  # after the first (logit check, warm-up)
-    return {"step_s": statistics.mean(s for s, _ in steps), "teacher_s": statistics.mean(t for _, t in steps)}
-
-
-def summarise(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+        member.features = timed_into(member.features, spent)
+    # (the once-per-step pass runs in `get_batch_samples`, before `on_step_begin`: inside the step it times)
+    return train_timed(trainer, spent)
 
 
 def markdown(report: dict) -> str:

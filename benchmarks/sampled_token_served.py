@@ -21,13 +21,12 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, replace_readme_block  # noqa: E402
+from _common import machine, replace_readme_block, summarise, timed_into, train_timed  # noqa: E402
 from trainers import synthetic_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +70,7 @@ def build(cfg: dict, directory: Path) -> dict:
 
 def run(paths: dict, cfg: dict, url: str, contender: dict, out: Path) -> dict:
     """One run; the step seconds and the teacher's scoring seconds of each optimizer step after the first."""
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
 
     from trl_distill import DistillationConfig, DistillationTrainer
 
@@ -84,30 +83,8 @@ def run(paths: dict, cfg: dict, url: str, contender: dict, out: Path) -> dict:
                                   processing_class=AutoTokenizer.from_pretrained(paths["student"]))
     spent = [0.0]
     for method in ("score_sampled", "pop_batch"):  # the request is sent in the first, its answer awaited in the second
-        original = getattr(trainer.teacher, method)
-
-        def timed(*arguments, original=original):
-            start = time.perf_counter()
-            try:
-                return original(*arguments)
-            finally:
-                spent[0] += time.perf_counter() - start
-
-        setattr(trainer.teacher, method, timed)
-    marks = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, *_, **__):
-            marks.append((time.perf_counter(), spent[0]))
-
-    trainer.add_callback(Clock())
-    trainer.train()
-    steps = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks, marks[1:])]  # after the first (logit check, warm-up)
-    return {"step_s": statistics.mean(s for s, _ in steps), "teacher_s": statistics.mean(t for _, t in steps)}
-
-
-def summarise(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+        setattr(trainer.teacher, method, timed_into(getattr(trainer.teacher, method), spent))
+    return train_timed(trainer, spent)
 
 
 def markdown(report: dict) -> str:
