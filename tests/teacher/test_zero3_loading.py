@@ -47,6 +47,37 @@ def test_reads_the_stored_dtype_and_refuses_what_it_cannot_load(tmp_path, monkey
     assert not loadable(str(tmp_path), {})
 
 
+def test_a_partition_off_the_cpu_is_filled_through_one_bounded_host_buffer(tmp_path, monkeypatch):
+    """A GPU's partition cannot be a `pread` target (2755ed6 called `.numpy()` on it and crashed on CUDA): it is
+    filled chunk by chunk from one host buffer of at most `_CHUNK_BYTES`, reused for every tensor of the load. `meta`
+    stands for the device here: nothing is read back from it, and any host view of it raises as CUDA's does."""
+    values = torch.randn(40).to(torch.bfloat16)
+    save_file({"w": values, "v": values.float()}, str(tmp_path / "model.safetensors"))
+    index = safetensors_index(str(tmp_path))
+    monkeypatch.setattr(loading, "_CHUNK_BYTES", 16)  # 8 bf16 values or 4 float32 ones a chunk
+    reads = []
+    pread = loading._pread_exact
+    monkeypatch.setattr(loading, "_pread_exact", lambda fd, view, offset, path: (reads.append(len(view)),
+                                                                                 pread(fd, view, offset, path)))
+    on_device = torch.empty(30, dtype=torch.bfloat16, device="meta")  # the file's dtype: 2755ed6 read into it
+    assert _read_into(on_device, *index["w"], 5) == 60
+    assert reads == [16, 16, 16, 12]
+    reads.clear()
+    staging = loading.HostStaging("meta")
+    for name, dtype in (("w", torch.bfloat16), ("v", torch.float32)):
+        target = torch.empty(30, dtype=dtype, device="meta")
+        path, entry, start = index[name]
+        assert _read_into(target, path, entry, start, 5, staging) == 30 * target.element_size()
+    assert reads == [16, 16, 16, 12] + [16] * 7 + [8]  # every read fits the buffer; 30 values each
+    assert staging._buffer.device.type == "cpu" and staging._buffer.numel() == 16  # one buffer for both tensors
+    # the same path into host memory (a float32 partition of a bf16 file) reads the right values
+    target = torch.full((30,), float("nan"))
+    _read_into(target, *index["w"], 5, loading.HostStaging())
+    assert torch.equal(target, values[5:35].float())
+    with pytest.raises(ValueError, match="HostStaging"):
+        loading._bytes_of(torch.empty(4, device="meta"))
+
+
 @pytest.mark.distributed
 def test_loading_grows_each_rank_by_its_partitions_only(tmp_path):
     """2 processes: building and filling the ZeRO-3 teacher grows a rank's memory (peak RSS) by its partitions, not

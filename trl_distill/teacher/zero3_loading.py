@@ -61,25 +61,50 @@ def safetensors_index(directory: str) -> dict[str, tuple[str, dict, int]] | None
     return entries
 
 
-_CHUNK_BYTES = 16 << 20  # what a conversion between the file's and the model's dtype reads at a time
+_CHUNK_BYTES = 16 << 20  # the host buffer a conversion or a device partition is filled through
 
 
-def _read_into(target: torch.Tensor, path: str, entry: dict, data_start: int, first: int) -> int:
+class HostStaging:
+    """One bounded host buffer (`_CHUNK_BYTES`) through which a partition that `pread` cannot write is filled: one
+    on an accelerator (CUDA: page-locked, so each copy up is a DMA from it) or of another dtype than the file's. One
+    per load, reused for every parameter: pinning memory is slow, so it is not done per tensor."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.nbytes = _CHUNK_BYTES
+        self._buffer: torch.Tensor | None = None
+
+    def chunk(self, dtype: torch.dtype, count: int) -> torch.Tensor:
+        """A host tensor of `count` elements of `dtype` over the buffer (`count` at most `elements(dtype)`)."""
+        if self._buffer is None:
+            self._buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return self._buffer[: count * itemsize].view(dtype)
+
+    def elements(self, dtype: torch.dtype) -> int:
+        return max(1, self.nbytes // torch.empty((), dtype=dtype).element_size())
+
+
+def _read_into(target: torch.Tensor, path: str, entry: dict, data_start: int, first: int,
+               staging: HostStaging | None = None) -> int:
     """Fill the contiguous 1-D `target` with elements ``[first, first + target.numel())`` of a tensor stored
-    row-major in a safetensors file, read with pread straight into `target`'s memory (or, when the file holds another
-    dtype, through a buffer of at most `_CHUNK_BYTES`). Returns the bytes read from the file."""
+    row-major in a safetensors file: read with pread straight into `target`'s memory when it is host memory of the
+    file's dtype, else through `staging`'s bounded host buffer (a partition on a GPU, or another dtype), chunk by
+    chunk. Returns the bytes read from the file."""
     dtype = _DTYPES[entry["dtype"]]
     itemsize = torch.empty((), dtype=dtype).element_size()
     begin = data_start + entry["data_offsets"][0] + first * itemsize
     fd = os.open(path, os.O_RDONLY)
     try:
-        if target.dtype == dtype:
+        if target.dtype == dtype and target.device.type == "cpu":
             _pread_exact(fd, _bytes_of(target), begin, path)
         else:
-            step = max(1, _CHUNK_BYTES // itemsize)
+            staging = staging if staging is not None else HostStaging(target.device)
+            step = staging.elements(dtype)
             for start in range(0, target.numel(), step):
-                chunk = torch.empty(min(step, target.numel() - start), dtype=dtype)
+                chunk = staging.chunk(dtype, min(step, target.numel() - start))
                 _pread_exact(fd, _bytes_of(chunk), begin + start * itemsize, path)
+                # a blocking copy: the buffer is refilled next, so this chunk must have left it
                 target[start : start + chunk.numel()].copy_(chunk)
     finally:
         os.close(fd)
@@ -88,6 +113,8 @@ def _read_into(target: torch.Tensor, path: str, entry: dict, data_start: int, fi
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"_bytes_of reads host memory; this tensor is on {tensor.device} (fill it through HostStaging)")
     return memoryview(tensor.view(torch.uint8).numpy()) if tensor.numel() else memoryview(bytearray())
 
 
@@ -100,7 +127,8 @@ def _pread_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
         done += n
 
 
-def _read_segments(target: torch.Tensor, segments: list[tuple[str, int]], entries: dict, first: int) -> int:
+def _read_segments(target: torch.Tensor, segments: list[tuple[str, int]], entries: dict, first: int,
+                   staging: HostStaging | None = None) -> int:
     """Fill `target` with elements ``[first, first + target.numel())`` of a tensor laid out as the checkpoint tensors
     `segments` one after another (`expert_layout`; one segment: the tensor itself). Returns the bytes read."""
     done, offset, stop = 0, 0, first + target.numel()
@@ -108,7 +136,7 @@ def _read_segments(target: torch.Tensor, segments: list[tuple[str, int]], entrie
         low, high = max(first, offset), min(stop, offset + numel)
         if low < high:
             path, entry, start = entries[name]
-            done += _read_into(target[low - first : high - first], path, entry, start, low - offset)
+            done += _read_into(target[low - first : high - first], path, entry, start, low - offset, staging)
         offset += numel
     return done
 
@@ -170,10 +198,12 @@ def load_partitioned(directory: str, init_kwargs: dict):
         return None
     if any(zero3_partition(p) is None for p in params.values()):
         return None  # not partitioned (or swapped to NVMe): nothing for a slice to go into
+    staging = HostStaging(zero3_partition(next(iter(params.values())))[0].device)  # one host buffer for a GPU's
     with torch.no_grad():
         for name, param in params.items():
             part, first, count = zero3_partition(param)
-            _read_segments(part[:count], layout[name], entries, first)  # into the partition itself: no second copy
+            # into the partition itself (through `staging` on a GPU): no second whole copy
+            _read_segments(part[:count], layout[name], entries, first, staging)
             part[count:].zero_()
         buffers = dict(model.named_buffers())
         for name, buffer in buffers.items():  # persistent buffers in the checkpoint (not partitioned by ZeRO-3)
