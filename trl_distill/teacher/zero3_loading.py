@@ -114,7 +114,7 @@ def _read_into(target: torch.Tensor, path: str, entry: dict, data_start: int, fi
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory."""
     if tensor.device.type != "cpu":
-        raise ValueError(f"_bytes_of reads host memory; this tensor is on {tensor.device} (fill it through HostStaging)")
+        raise ValueError(f"_bytes_of reads host memory; this tensor is on {tensor.device} (fill it via HostStaging)")
     return memoryview(tensor.view(torch.uint8).numpy()) if tensor.numel() else memoryview(bytearray())
 
 
