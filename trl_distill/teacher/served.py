@@ -149,7 +149,8 @@ class ServedTeacher(TeacherSource):
     def cache_records(self, columns, mine: list[range], steps: int, filler: range, top_k: int,
                       temperature: float) -> list[dict]:
         """Every batch is collated (which sends its request) before the first answer is awaited, so
-        `teacher_server_concurrency` requests are in flight."""
+        `teacher_server_concurrency` requests are in flight. What a record holds is read back to the host (a
+        collator may hand its batch over on the GPU)."""
         pending = []
         for rows in mine:
             examples = [columns[i] for i in rows]
@@ -162,10 +163,10 @@ class ServedTeacher(TeacherSource):
             for b, row in enumerate(rows):
                 part = slice(ends[b - 1] if b else 0, ends[b])
                 records.append({"row": row, "input_ids": examples[b]["input_ids"],
-                                "positions": mask[b].nonzero().squeeze(1).numpy(),
-                                "top_k_ids": signal.ids[part].numpy(),
-                                "top_k_log_probs": signal.log_probs[part].numpy(),
-                                "tail_log_prob": signal.tail_log_prob[part].numpy()})
+                                "positions": mask[b].nonzero().squeeze(1).cpu().numpy(),
+                                "top_k_ids": signal.ids[part].cpu().numpy(),
+                                "top_k_log_probs": signal.log_probs[part].cpu().numpy(),
+                                "tail_log_prob": signal.tail_log_prob[part].cpu().numpy()})
         return records
 
     def __getstate__(self):  # DataLoader workers get a copy without the pool (and fetch synchronously)
