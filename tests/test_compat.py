@@ -293,3 +293,86 @@ def test_every_pin_says_why_and_only_a_wrapped_library_is_capped():
         assert ("<" in requirement) == (name in compat.CHECKED_AGAINST), requirement
         if name in compat.CHECKED_AGAINST:
             assert f">={compat.CHECKED_AGAINST[name]}" in requirement, requirement
+
+
+# ---- liger-kernel 0.8.5 (benchmarks/gpu's loss table; not a dependency) ----
+
+def _liger_jsd_class():
+    """`LigerFusedLinearJSD` as installed (when it imports here: its kernels need Triton), else a class with the
+    parameters of its ``__init__`` and ``forward`` read from liger-kernel's own source, installed or in the wheel
+    `make gpu-wheels` downloads into .whl/ (annotations and defaults dropped, bodies empty); skips when neither is."""
+    import ast
+    import importlib.util
+    import zipfile
+    from pathlib import Path
+
+    try:
+        from liger_kernel.transformers.fused_linear_jsd import LigerFusedLinearJSD
+    except ImportError:
+        pass
+    else:
+        return LigerFusedLinearJSD, f"liger-kernel {version('liger-kernel')}, imported"
+    relative = "liger_kernel/transformers/fused_linear_jsd.py"
+    sources = []  # (where, its source text)
+    found = importlib.util.find_spec("liger_kernel")  # the installed package's folder, without running it
+    for folder in (found.submodule_search_locations or []) if found else []:
+        if (Path(folder).parent / relative).is_file():
+            sources.append((f"liger-kernel {version('liger-kernel')}", (Path(folder).parent / relative).read_text()))
+    for wheel in sorted((Path(__file__).resolve().parents[1] / ".whl").glob("liger_kernel-*.whl")):
+        with zipfile.ZipFile(wheel) as archive:
+            sources.append((wheel.name, archive.read(relative).decode()))
+    for where, text in sources:
+        tree = ast.parse(text)
+        cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "LigerFusedLinearJSD")
+        cls.body = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in ("__init__", "forward")]
+        cls.bases, cls.keywords, cls.decorator_list = [], [], []
+        for method in cls.body:
+            arguments = method.args
+            for argument in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs, arguments.vararg,
+                             arguments.kwarg]:
+                if argument is not None:
+                    argument.annotation = None
+            arguments.defaults = [ast.Constant(None) for _ in arguments.defaults]
+            arguments.kw_defaults = [d if d is None else ast.Constant(None) for d in arguments.kw_defaults]
+            method.body, method.decorator_list, method.returns = [ast.Pass()], [], None
+        namespace: dict = {}
+        exec(compile(ast.fix_missing_locations(ast.Module(body=[cls], type_ignores=[])), where, "exec"), namespace)
+        return namespace["LigerFusedLinearJSD"], where
+    pytest.skip("liger-kernel is neither installed nor in .whl/ (make gpu-wheels, or pip download "
+                f"liger-kernel=={compat.LIGER_CHECKED} --no-deps -d .whl)")
+
+
+def test_the_liger_call_is_pinned_to_liger_kernels_own_signature():
+    """compat's recorded signature of `LigerFusedLinearJSD` is liger-kernel's: installed, or read from its source."""
+    module_class, where = _liger_jsd_class()
+    problem = compat.liger_jsd_signature_problem(module_class)
+    assert problem is None, f"{where}: {problem}"
+    if where.endswith(".whl"):  # the wheel of the version checked carries exactly the recorded signature
+        assert where.startswith(f"liger_kernel-{compat.LIGER_CHECKED}-"), where
+
+
+def test_the_liger_call_passes_no_labels_and_refuses_another_signature_in_one_line():
+    calls = []
+
+    class Checked(torch.nn.Module):  # liger-kernel 0.8.5's parameters
+        def __init__(self, jsd_beta=0.5, ignore_index=-100, temperature=1.0, accum_dtype=None):
+            super().__init__()
+            self.settings = (jsd_beta, temperature)
+
+        def forward(self, student_input, student_weight, teacher_input, teacher_weight, shift_labels):
+            calls.append((self.settings, shift_labels))
+            return (student_input @ student_weight.T).sum() + (teacher_input @ teacher_weight.T).sum()
+
+    class Before(Checked):  # the forward of liger-kernel before `shift_labels` (what the first GPU run expected)
+        def forward(self, student_input, student_weight, teacher_input, teacher_weight):
+            return super().forward(student_input, student_weight, teacher_input, teacher_weight, None)
+
+    hs, ws, ht, wt = torch.ones(2, 3), torch.ones(5, 3), torch.ones(2, 4), torch.ones(5, 4)
+    loss = compat.liger_fused_linear_jsd(1.0, temperature=2.0, module_class=Checked)
+    assert loss(hs, ws, ht, wt).item() == 2 * 5 * 3 + 2 * 5 * 4
+    assert calls == [((1.0, 2.0), None)]
+    with pytest.raises(RuntimeError) as refused:
+        compat.liger_fused_linear_jsd(0.0, module_class=Before)
+    message = str(refused.value)
+    assert "\n" not in message and f"liger-kernel {compat.LIGER_CHECKED}" in message
+    assert "Before.forward takes (student_input, student_weight, teacher_input, teacher_weight) and" in message

@@ -323,3 +323,45 @@ def checkpoint_conversions(model_type: str) -> list[tuple[str, list[str], list[s
              list(t._original_target_patterns),
              [(type(op).__name__, getattr(op, "dim", None)) for op in getattr(t, "operations", [])])
             for t in mapping]
+
+
+# ---- liger-kernel 0.8.5: the GPU benchmark's comparison (benchmarks/gpu; not a dependency) ----
+
+LIGER_CHECKED = "0.8.5"
+# `LigerFusedLinearJSD.forward`'s parameters after ``self`` in liger-kernel 0.8.5
+# (liger_kernel/transformers/fused_linear_jsd.py): all positional, none with a default, so `shift_labels` is required
+LIGER_JSD_FORWARD = ("student_input", "student_weight", "teacher_input", "teacher_weight", "shift_labels")
+LIGER_JSD_INIT = ("jsd_beta", "temperature")  # the keywords of its constructor we pass
+
+
+def liger_jsd_signature_problem(module_class) -> str | None:
+    """Why `module_class` (`LigerFusedLinearJSD`, or a class of its shape) is not the one checked, in one line; None
+    when its forward takes exactly `LIGER_JSD_FORWARD` and its constructor `LIGER_JSD_INIT`."""
+    import inspect
+
+    forward = [p.name for p in inspect.signature(module_class.forward).parameters.values()][1:]  # after self
+    init = inspect.signature(module_class.__init__).parameters
+    if tuple(forward) == LIGER_JSD_FORWARD and all(name in init for name in LIGER_JSD_INIT):
+        return None
+    return (f"{module_class.__name__}.forward takes ({', '.join(forward)}) and its constructor "
+            f"({', '.join(list(init)[1:])}); trl_distill.compat.liger_fused_linear_jsd was checked against "
+            f"liger-kernel {LIGER_CHECKED}'s ({', '.join(LIGER_JSD_FORWARD)}) with {' and '.join(LIGER_JSD_INIT)}: "
+            "re-check it against the installed liger-kernel.")
+
+
+def liger_fused_linear_jsd(jsd_beta: float, temperature: float = 1.0, module_class=None):
+    """Liger's fused linear generalised JSD as ``loss(hs [N, H_s], ws [V, H_s], ht [N, H_t], wt [V, H_t])`` -> a
+    scalar (`jsd_beta` 0: forward KL, 1: reverse KL), every row a loss row (``shift_labels=None``, which 0.8.5
+    requires passed). `module_class`: `liger_kernel.transformers.fused_linear_jsd.LigerFusedLinearJSD` unless given.
+    Raises `RuntimeError` with one line when its signature is not the one checked (`liger_jsd_signature_problem`)."""
+    if module_class is None:
+        from liger_kernel.transformers.fused_linear_jsd import LigerFusedLinearJSD as module_class
+    problem = liger_jsd_signature_problem(module_class)
+    if problem:
+        raise RuntimeError(problem)
+    module = module_class(jsd_beta=jsd_beta, temperature=temperature)
+
+    def loss(hs: torch.Tensor, ws: torch.Tensor, ht: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+        return module(hs, ws, ht, wt, shift_labels=None)
+
+    return loss
