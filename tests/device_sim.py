@@ -67,6 +67,8 @@ def _run(func, args, kwargs):
     flat, _ = tree_flatten((args, kwargs))
     device = kwargs.get("device")
     ours = any(isinstance(a, OnDevice) for a in flat) or _is_ours(device)
+    if any(type(a) is not OnDevice and isinstance(a, torch.Tensor) and a.device == DEVICE for a in flat):
+        raise RuntimeError(f"device_sim: {func} got a {DEVICE} tensor without values (made past the simulator)")
     if func is _aten._to_copy.default and device is not None:  # a copy to a device says where the result lives
         ours = _is_ours(device)
     elif ours and func not in _CROSSING:
@@ -82,8 +84,8 @@ def _run(func, args, kwargs):
         kwargs = {**kwargs, "device": torch.device("cpu")}
     args, kwargs = tree_map(lambda a: a.host if isinstance(a, OnDevice) else a, (args, kwargs))
     out = func(*args, **kwargs)
-    if func._schema.is_mutable and isinstance(flat[0], OnDevice) and out is args[0]:
-        return flat[0]  # an in-place op hands back its own (device) tensor
+    if func._schema.is_mutable and out is args[0]:
+        return flat[0]  # an in-place op hands back its own tensor (on the device or not)
     if not ours:
         return out
     return tree_map(lambda a: OnDevice(a) if isinstance(a, torch.Tensor) and not isinstance(a, OnDevice) else a, out)
@@ -95,12 +97,16 @@ class _Mode(TorchDispatchMode):
 
 
 class _Constructors(TorchFunctionMode):
-    """`torch.tensor` / `torch.as_tensor` build on the host below the dispatcher: the device ones are made here."""
+    """`torch.tensor`, `torch.as_tensor` and `Tensor.new_tensor` build on the host below the dispatcher: the device
+    ones are made here."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in (torch.tensor, torch.as_tensor) and _is_ours(kwargs.get("device")):
             return OnDevice(func(*args, **{**kwargs, "device": "cpu"}))
+        if func is torch.Tensor.new_tensor and (isinstance(args[0], OnDevice) or _is_ours(kwargs.get("device"))):
+            host = args[0].host if isinstance(args[0], OnDevice) else args[0]
+            return OnDevice(host.new_tensor(*args[1:], **{**kwargs, "device": "cpu"}))
         return func(*args, **kwargs)
 
 

@@ -16,6 +16,7 @@ from device_sim import DEVICE, on_device, to_device  # tests/ is on sys.path
 
 def test_device_tensors_compute_on_the_host_and_refuse_what_cuda_refuses():
     values = torch.arange(6.0).reshape(2, 3)
+    stray = torch.empty(2, 3, device="meta")  # made outside the simulator: no values
     with on_device():
         x = to_device(values)
         assert x.device == DEVICE and (x * 2 + torch.tensor(1.0)).tolist() == (values * 2 + 1).tolist()  # 0-dim: ok
@@ -36,6 +37,9 @@ def test_device_tensors_compute_on_the_host_and_refuse_what_cuda_refuses():
             x.index_select(0, torch.tensor([0]))
         with pytest.raises(RuntimeError, match="device type for generator but found 'cpu'"):
             torch.randint(0, 5, (3,), generator=torch.Generator(), device=DEVICE)
+        assert x.new_tensor([1, 3]).device == DEVICE
+        with pytest.raises(RuntimeError, match="without values"):  # a gap of the simulator is loud, never garbage
+            x + stray
         weight = to_device(torch.tensor([1.0, -2.0], requires_grad=True))
         (weight * weight).sum().backward()
         assert weight.grad.tolist() == [2.0, -4.0]
@@ -92,3 +96,162 @@ def test_the_served_teachers_cache_records_read_a_batch_collated_onto_the_device
         assert record["top_k_ids"].tolist() == ((t + np.arange(3)) % 16).tolist()
         np.testing.assert_allclose(record["top_k_log_probs"], -(t + 1) / 10 - np.arange(3), rtol=1e-6)
         np.testing.assert_allclose(record["tail_log_prob"], -5.0 - t[:, 0])
+
+
+# ---- Paths audited on the device: each gives there what it gives on the host ----
+
+
+def _both(run, *inputs):
+    """`run(*inputs)` on the host, and again under the simulator with every tensor of `inputs` on the device; both
+    results as nested lists (`run` returns tensors, or lists / tuples / dicts of them)."""
+
+    def read(value):
+        if isinstance(value, torch.Tensor):
+            return value.cpu().tolist()
+        if isinstance(value, dict):
+            return {k: read(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [read(v) for v in value]
+        return value
+
+    def place(value):
+        if isinstance(value, torch.Tensor):
+            return to_device(value)
+        return type(value)(place(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+    torch.manual_seed(0)
+    host = read(run(*inputs))
+    torch.manual_seed(0)
+    with on_device():
+        device = read(run(*(place(x) for x in inputs)))
+    return host, device
+
+
+@pytest.mark.parametrize("objective", ["divergence", "sampled_token"])
+def test_the_cross_tokenizer_teachers_rows_and_signal_on_the_device(objective):
+    """Its groups' states laid onto the loss rows, the per-group loss and metrics, and (sampled-token) each sampled
+    token's share of its group's log-prob, from a cross-tokenizer batch prepared onto the device."""
+    from trl_distill.cross_tokenizer.loss import CrossTokenizerLoss
+    from trl_distill.cross_tokenizer.vocabulary import SharedVocabulary
+    from trl_distill.loss.diagnostics import LossDiagnostics
+    from trl_distill.loss.settings import LossSettings
+    from trl_distill.teacher.cross_tokenizer import CrossTokenizerTeacher
+
+    vocab = 8
+
+    class Teacher(CrossTokenizerTeacher):  # its states: seeded random logits at the positions asked for
+        def __init__(self):
+            shared = SharedVocabulary(torch.arange(6), torch.arange(6), torch.tensor([6, 7]), torch.tensor([6, 7]))
+            self.loss, self.args = CrossTokenizerLoss(shared), SimpleNamespace(on_policy_objective=objective)
+
+        def features(self, inputs, positions):
+            logits = torch.randn(2, 16, vocab)
+            return SimpleNamespace(states=logits.to(positions.device)[:, positions], head=None)
+
+    def run(teacher_ids, groups, lengths, mask, keep, student_logits):
+        rows = Teacher().teacher_rows((teacher_ids, teacher_ids > 0, groups, [[1], [2]], lengths), mask, keep)
+        signal, settings = rows.signal(None, 4, LossSettings()), LossSettings()
+        chunk = signal.chunk(slice(0, 4), torch.float32)
+        metrics = LossDiagnostics(student_logits.device)
+        signal.observe(metrics, slice(0, 4), student_logits, chunk, None, settings)
+        signal.observe_batch(metrics)
+        picked = rows.signal(None, 4, settings, picks=keep.new_tensor([1, 3]))
+        out = {"is_group": rows.is_group, "loss": signal.per_token(student_logits.log_softmax(-1), chunk, settings),
+               "metrics": metrics.sums, "picked": picked.chunk(slice(0, 2), torch.float32)[1]}
+        if lengths is not None:
+            out["token_logp"] = signal.token_log_probs(chunk, None).nan_to_num(-1.0)
+        return out
+
+    groups = torch.tensor([[0, 4, 10], [0, 5, 11], [0, 7, 12], [1, 4, 13], [1, 5, 14]])
+    lengths = torch.tensor([[1, 1], [1, 2], [1, 1], [2, 1], [1, 1]]) if objective == "sampled_token" else None
+    mask = torch.tensor([[True, False, True], [False, True, True]])
+    host, device = _both(run, torch.arange(32).reshape(2, 16) % 7, groups, lengths, mask, torch.tensor([3, 4, 5]),
+                         torch.randn(4, vocab))
+    assert host["is_group"] == [False, True, True, True] and device == host
+
+
+@pytest.mark.parametrize("discount", [0.0, 0.9])
+def test_the_sampled_token_objective_on_the_device(discount):
+    """Rewards, discounted advantages, the task reward's baseline (rewards scored on the host) and the clipped
+    surrogate, over a live teacher's rows on the device."""
+    from trl_distill.loss.dense import DenseTeacherSignal
+    from trl_distill.loss.sampled_token import SampledTokenJob, SampledTokenSettings, sampled_token_signal
+    from trl_distill.loss.settings import LossSettings
+
+    vocab, width = 10, 4
+
+    def run(teacher_states, states, rows, labels, old):
+        teacher = DenseTeacherSignal(teacher_states, None, vocab, 1.0)
+        job = SampledTokenJob(SampledTokenSettings(discount=discount), torch.tensor([1.0, 0.0], dtype=torch.float64))
+        signal = sampled_token_signal(teacher, job, rows, labels, width, states, None, vocab, 4, old)
+        chunk = signal.chunk(slice(0, 6), torch.float32)
+        return signal.per_token(states.index_select(0, rows).log_softmax(-1), chunk, LossSettings()), list(
+            job.stats.values())
+
+    host, device = _both(run, torch.randn(6, vocab), torch.randn(8, vocab), torch.tensor([1, 2, 3, 5, 6, 7]),
+                         torch.randint(0, vocab, (6,)), torch.randn(6))
+    assert device == host
+
+
+def test_several_teachers_routed_and_summed_on_the_device():
+    """Routed: the rows' order and each teacher's edges, its chunks, parts and metrics (a teacher with no rows
+    among them); summed and mixed: their per-token losses."""
+    from trl_distill.loss.combined import MixtureSignal, RoutedSignal, SumSignal, routed_order
+    from trl_distill.loss.dense import DenseTeacherSignal
+    from trl_distill.loss.diagnostics import LossDiagnostics
+    from trl_distill.loss.settings import LossSettings
+
+    vocab, settings = 10, LossSettings()
+
+    def run(route, first, second, logits, labels):
+        order, bounds = routed_order(route, 3)
+        teachers = [DenseTeacherSignal(s, None, vocab, 1.0) for s in (first, second, first[:0])]
+        routed, metrics, kd = RoutedSignal(teachers, order, bounds), LossDiagnostics(logits.device), []
+        for part in (slice(0, 3), slice(3, 6)):
+            chunk = routed.chunk(part, torch.float32)
+            routed.observe(metrics, part, logits[part], chunk, labels[part], settings)
+            kd.append(routed.per_token(logits[part].log_softmax(-1), chunk, settings))
+            routed.tally(part, kd[-1].sum())
+        routed.observe_batch(metrics)
+        pair = [DenseTeacherSignal(s, None, vocab, 1.0) for s in (first, second)]
+        summed, mixed = SumSignal(pair, [0.3, 0.7]), MixtureSignal(pair, [0.3, 0.7])
+        return (order, bounds, kd, routed.parts[:2], metrics.sums,
+                summed.per_token(logits[:3].log_softmax(-1), summed.chunk(slice(0, 3), torch.float32), settings),
+                mixed.per_token(logits[:3].log_softmax(-1), mixed.chunk(slice(0, 3), torch.float32), settings))
+
+    host, device = _both(run, torch.tensor([1, 0, 1, 0, 0, 1]), torch.randn(3, vocab), torch.randn(3, vocab),
+                         torch.randn(6, vocab), torch.randint(0, vocab, (6,)))
+    assert host[1] == [0, 3, 6, 6] and device == host
+
+
+def test_teacher_rows_of_a_batch_on_the_device():
+    """A teacher prompt's rows (its prompts stay on the host, `Held`), a served teacher's request rows and a routed
+    teacher's own rows, from a batch prepared onto the device."""
+    from trl_distill.data.batch import Held
+    from trl_distill.teacher.panel import own_rows
+    from trl_distill.teacher.privileged import PrivilegedTeacher, teacher_rows
+    from trl_distill.teacher.served import loss_rows
+
+    prompts = [torch.tensor([1, 2, 3]), torch.tensor([4])]  # host tensors, as the collator made them
+
+    class Inner:
+        def for_batch(self, inputs, own, mask, keep):
+            return SimpleNamespace(inputs=inputs, mask=mask, keep=keep)
+
+        refused = {}
+
+    privileged = PrivilegedTeacher(Inner(), "teacher_prompt", SimpleNamespace(pad_token_id=0))
+
+    def run(ids, attention, labels):
+        batch = {"input_ids": ids, "attention_mask": attention, "labels": labels}
+        mask, keep = labels[:, 1:] != -100, torch.arange(ids.shape[1] - 1, device=ids.device)
+        shifted = privileged.for_batch({"input_ids": ids, "attention_mask": attention}, (Held(prompts), None), mask,
+                                       keep)
+        served_rows, positions = loss_rows(batch)
+        return (teacher_rows(batch, prompts, 0), shifted.inner.inputs, shifted.mask, served_rows,
+                [p.tolist() for p in positions], own_rows(batch, ids[:, 1] == 9), own_rows(batch, ids[:, 0] == 0))
+
+    host, device = _both(run, torch.tensor([[5, 6, 7, 8, 0], [5, 9, 9, 0, 0]]),
+                         torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]]),
+                         torch.tensor([[-100, -100, 7, 8, -100], [-100, 9, 9, -100, -100]]))
+    assert host[0]["input_ids"] == [[1, 2, 3, 7, 8], [4, 9, 9, 0, 0]] and device == host
