@@ -255,3 +255,68 @@ def test_teacher_rows_of_a_batch_on_the_device():
                          torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]]),
                          torch.tensor([[-100, -100, 7, 8, -100], [-100, 9, 9, -100, -100]]))
     assert host[0]["input_ids"] == [[1, 2, 3, 7, 8], [4, 9, 9, 0, 0]] and device == host
+
+
+def test_sampled_rows_rendered_for_a_teacher_of_another_tokenizer_on_the_device():
+    """The student's samples (on the device) re-rendered and aligned for a teacher of another tokenizer: its ids and
+    groups land on the samples' device, the same as from host rows."""
+    from trl_distill.teacher.cross_tokenizer import _BATCH, CrossTokenizerTeacher
+    from trl_distill.testing import build_sentencepiece_style_tokenizer, build_tokenizer
+
+    student, other = build_tokenizer(), build_sentencepiece_style_tokenizer(vocab_size=300)
+    teacher = CrossTokenizerTeacher.__new__(CrossTokenizerTeacher)  # its tokenizers and settings only
+    teacher.student_tokenizer, teacher.teacher_tokenizer = student, other
+    teacher.args, teacher.sampled_rows = SimpleNamespace(max_length=64), {"rows": 0, "unaligned": 0}
+    prompt, completion = student("the cat sat")["input_ids"], student(" on the mat")["input_ids"]
+    source = {_BATCH: (None, None, None, [other("the cat sat")["input_ids"]], None)}
+
+    def run(ids, labels):
+        batch = {"input_ids": ids, "labels": labels}
+        teacher.score_sampled(batch, source)
+        assert all(x.device == ids.device for x in batch[_BATCH] if isinstance(x, torch.Tensor))
+        return batch[_BATCH]
+
+    host, device = _both(run, torch.tensor([prompt + completion + [student.eos_token_id]]),
+                         torch.tensor([[-100] * len(prompt) + completion + [student.eos_token_id]]))
+    assert len(host[2]) > 2 and device == host
+
+
+def test_the_generation_eval_of_completions_sampled_on_the_device():
+    """Completions and the teacher's scores of them on the device: the eval's counts, verifiers and teacher NLL are
+    the host's."""
+    from datasets import Dataset
+
+    from trl_distill.evaluation.generation import EvalSettings, GenerationEvaluation
+    from trl_distill.evaluation.verifiers import resolve_verifiers
+    from trl_distill.loss.diagnostics import LossDiagnostics
+    from trl_distill.rollout.sampling import Sampling
+    from trl_distill.testing import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    dataset = Dataset.from_dict({"prompt": ["1+1=", "2+2="], "answer": ["2", "4"]})
+    answer = tokenizer("2")["input_ids"] + [tokenizer.eos_token_id]
+
+    def run(device):
+        settings = EvalSettings(resolve_verifiers(["last_number"], "answer", None), "answer", 2,
+                                Sampling(4, 1.0, 1.0, None), 1, None, 0)
+
+        def sample(batch, sampling):
+            return batch, [torch.tensor(answer, device=device) for _ in range(len(batch["input_ids"]))]
+
+        def score(batch):
+            scored = LossDiagnostics(device)
+            scored.add("teacher_ce", torch.tensor([1.5, 2.5], device=device))
+            return scored
+
+        def collate(rows):
+            return {"input_ids": torch.ones(len(rows), 2, dtype=torch.long, device=device)}
+
+        evaluation = GenerationEvaluation(settings, tokenizer, 0, 1, collate, sample, score, lambda t: t, False)
+        metrics = evaluation.run(dataset)
+        metrics.pop("generation_runtime")
+        return metrics
+
+    host = run("cpu")
+    with on_device():
+        device = run(DEVICE)
+    assert host["pass@1"] == 0.5 and host["teacher_nll"] == 2.0 and device == host

@@ -41,6 +41,21 @@ def test_explicit_precision_the_machine_cannot_run_names_the_flag(tmp_path, monk
     assert DistillationConfig(output_dir=str(tmp_path), bf16=False).bf16 is False  # explicit fp32: kept, no error
 
 
+def test_with_a_gpu_the_default_is_trls_bf16_and_the_gpu_path(tmp_path, monkeypatch):
+    """With a GPU that runs bf16, nothing is chosen for the user: TRL's default (bf16 unless fp16; trl 1.16's
+    `BaseConfig`) and transformers' GPU path (no use_cpu, pinned memory). The GPU is simulated: `has_accelerator` and
+    transformers' bf16 probe say yes, so nothing here touches a device."""
+    import transformers.training_args
+
+    monkeypatch.setattr(precision_module, "has_accelerator", lambda: True)
+    monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda: True)
+    args = DistillationConfig(output_dir=str(tmp_path))
+    assert args.bf16 and not args.fp16 and not args.use_cpu and args.dataloader_pin_memory
+    assert args.mixed_precision == "bf16"
+    fp16 = DistillationConfig(output_dir=str(tmp_path), fp16=True)  # fp16 asked for: TRL turns bf16 off
+    assert fp16.fp16 and not fp16.bf16 and not fp16.use_cpu
+
+
 @pytest.mark.skipif(not cpu_supports_bf16(), reason="this CPU has no native bf16")
 def test_explicit_bf16_runs_on_a_cpu_that_has_it(tmp_path):
     args = DistillationConfig(output_dir=str(tmp_path), bf16=True)
