@@ -17,19 +17,22 @@ from .compat import TrainerInternals  # the Trainer's private members we use, ea
 from .config import DistillationConfig, as_distillation_config
 from .data import prepare
 from .data.batch import loss_tokens
+from .data.loss_layout import LOSS_LAYOUT, LayoutMemo, LossTokensCollator
 from .evaluation.fields import eval_sampling_temperature
 from .evaluation.generation import GenerationEvaluation, eval_settings
 from .loss.fused import features_loss
 from .loss.settings import LossSettings
 from .model.fused_forward import add_fused_distillation_forward
 from .model.logit_check import LogitPaths
-from .rollout.on_policy import STUDENT as STUDENT_SAMPLES
 from .rollout.on_policy import (
+    DATASET,
     CompletionSampler,
     check_sampling_prompts,
+    completion_source,
     promptless_rows,
     refuse_zero3_student_sampling,
 )
+from .rollout.on_policy import STUDENT as STUDENT_SAMPLES
 from .rollout.sampling import Sampling
 from .rollout.task_rewards import TaskColumnsCollator, row_columns
 from .runtime import sequence_parallel, validation
@@ -39,7 +42,7 @@ from .runtime.guards import Guards
 from .runtime.log_setup import setup_logging
 from .runtime.metrics import DistillMetrics, TrainingBounds
 from .runtime.run_lock import refuse_if_locked, take_run_lock
-from .runtime.validation import check_dataset_not_empty, check_output_dir, run_inputs, shared_vocab_size
+from .runtime.validation import StepFlags, check_dataset_not_empty, check_output_dir, run_inputs, shared_vocab_size
 from .teacher import resolve_teacher
 from .teacher.live import STUDENT
 
@@ -121,10 +124,11 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
             self.logit_paths = LogitPaths(self.accelerator, self.teacher.logit_candidates, args.bf16 or args.fp16,
                                           self.vocab_size)  # each model's, settled on the first batch
             # what collaborators receive instead of the trainer (calls go down: none calls back, none changes it)
+            self.layouts = LayoutMemo()  # where each micro-batch's loss tokens are: one host read per step
             self.context = RunContext(
                 args, self.accelerator, lambda: self.state, lambda: self.model, lambda: self.model_wrapped,
                 lambda examples: self.data_collator(examples), self.prepared_inputs, lambda: self.processing_class,
-                self.vocab_size, self.logit_paths)
+                self.vocab_size, self.logit_paths, layouts=self.layouts, deferred=StepFlags())
             self.teacher.attach(self.context)  # its fit checks
             self.train_dataset = self.teacher.train_rows(self.train_dataset)  # e.g. a cache's row numbers
             sequence_parallel.check_sharded_attention(self.student, args, "student")  # long rows split over ranks
@@ -134,6 +138,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
             task_columns = row_columns(self.train_dataset, self.teacher.columns) if args.task_reward_funcs else None
             if task_columns is not None:  # the rows' own columns travel with the batch, for the reward functions
                 self.data_collator = TaskColumnsCollator(self.data_collator, task_columns)
+            self.data_collator = LossTokensCollator(self.data_collator)  # where the loss tokens are, on the host
             check_dataset_not_empty(self.train_dataset, "train", "prepared", args.max_length)
             check_sampling_prompts(self.train_dataset, args)  # lmbda / seq_kd: every row needs a prompt
             evaluation = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
@@ -334,8 +339,22 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
             self.sequence_parallel_scope.start(self.context, batch_samples)  # both models' attention exchanged
             num_items_in_batch = sequence_parallel.sharded_token_count(self.context, batch_samples, device,
                                                                        num_items_in_batch)
+        self.measure_loss_tokens(batch_samples)
         self.teacher.before_step(batch_samples)  # (the training loop is the only caller, in transformers 5.24)
         return batch_samples, num_items_in_batch
+
+    def measure_loss_tokens(self, batch_samples: list[dict]) -> None:
+        """Where every micro-batch's loss tokens are, for their losses and the teacher's step pass: as the collator
+        found them on the host, else measured together (one read of the device); not for a step whose completions
+        the sampler replaces."""
+        self.layouts.clear()
+        hosts = [b.pop(LOSS_LAYOUT, None) if isinstance(b, dict) else None for b in batch_samples]  # no model sees
+        args = self.args
+        if completion_source(args.lmbda, args.seq_kd, args.seed, self.state.global_step) != DATASET:
+            return
+        batches = [self.prepared_inputs(b) for b in batch_samples]
+        if batches and all(isinstance(b, dict) and {"labels", "shift_labels"} & set(b) for b in batches):
+            self.layouts.start_step(batches, [loss_tokens(b)[1] for b in batches], hosts, self.context.deferred)
 
     # ---- On-policy / sequence-level KD: completions sampled by the student or the teacher ----
 
@@ -352,6 +371,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         Mixture-of-Experts student's router load-balancing loss added as SFTTrainer adds it
         (``router_aux_loss_coef``)."""
         args = self.args
+        inputs.pop(LOSS_LAYOUT, None)  # (evaluation: where the loss tokens are is found below)
         extras = self.teacher.pop_batch(inputs)  # what the teacher's collator added; the student must not see it
         correction = self.sampler.pop_correction(inputs)  # sampled by the rollout engine: its log-probs
         sampled = self.sampler.objective_job(inputs, self.model.training)  # the sampled-token objective, if so
@@ -359,14 +379,16 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         target, mask = loss_tokens(inputs)
         # Sequence positions with a loss token in some row: the only ones either model projects (position t
         # predicts target t); the selected rows keep the (row, position) order on every path.
-        keep = mask.any(0).nonzero().squeeze(1)
+        layout = self.layouts.layout(inputs, mask)  # measured with the step's batches, or now
+        keep = layout.keep
         mask, target = mask[:, keep], target[:, keep]
         if not self.logit_paths.settled:
             self.logit_paths.settle(model, model_inputs, mask, extras)
         teacher = self.teacher.for_batch(model_inputs, extras, mask, keep)  # every rank: gathers are collective
         loss_fn = partial(features_loss, teacher=teacher, target=target, mask=mask, settings=self.loss_settings,
                           num_items_in_batch=num_items_in_batch, correction=correction,
-                          diagnostics=self.metrics.diagnostics(), sampled=sampled)  # inside the student's forward
+                          diagnostics=self.metrics.diagnostics(), sampled=sampled,
+                          rows=layout.rows)  # inside the student's forward
         routed = {"output_router_logits": True} if self.aux_loss_enabled else {}  # the aux loss, same forward
         kd, ce, aux = model(**model_inputs, **routed, fused_distillation=loss_fn, loss_positions=keep)
         self.teacher.after_loss()
@@ -388,9 +410,9 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         if num_items_in_batch is None and self.model.training:
             # a per-micro-batch mean: the Trainer divides the loss by the accumulation steps; log alike
             kd, ce = kd / self.current_gradient_accumulation_steps, ce / self.current_gradient_accumulation_steps
-        self.metrics.record(kd, ce, target.shape[0], loss, on_policy=self.model.training and self.sampler.on_policy,
-                            aux=aux)
         self.metrics.record_teachers(kd, self.teacher.kd_parts(), self.teacher.own_metrics())  # several teachers
+        self.metrics.record(kd, ce, target.shape[0], loss, on_policy=self.model.training and self.sampler.on_policy,
+                            aux=aux)  # last: at a step's last micro-batch the guards read its checks and totals
         if return_outputs:
             return loss, {"kd_loss": kd.detach(), "ce_loss": ce.detach(),
                           **({} if aux is None else {"aux_loss": aux.detach()})}

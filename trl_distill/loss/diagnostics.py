@@ -58,8 +58,9 @@ class LossDiagnostics:
 
     def means(self, sums: Tensor | None = None, counts: Tensor | None = None) -> dict[str, float]:
         """Each measured metric's mean (over ``sums`` / ``counts``, e.g. reduced over ranks; default: these)."""
-        sums = (self.sums if sums is None else sums).tolist()
-        counts = (self.counts if counts is None else counts).tolist()
+        sums = (self.sums if sums is None else sums)
+        counts = (self.counts if counts is None else counts)
+        sums, counts = (x.tolist() if isinstance(x, Tensor) else x for x in (sums, counts))
         return {name: s / c for name, s, c in zip(METRICS, sums, counts, strict=True) if c > 0}
 
     def reset(self) -> None:
@@ -105,8 +106,8 @@ def observe_dense(into: LossDiagnostics, logits: Tensor, teacher_logp: Tensor, l
     into.add("top1_agreement", _agreement(logits, teacher.argmax(-1)))
     if labels is not None:
         inside = labels < vocab  # a label the compared vocabulary lacks: the teacher gives it no mass
-        into.add("teacher_ce", -teacher.gather(1, labels.clamp(max=vocab - 1)[:, None]).squeeze(1)[inside],
-                 int(inside.sum()))
+        teacher_ce = -teacher.gather(1, labels.clamp(max=vocab - 1)[:, None]).squeeze(1)
+        into.add("teacher_ce", torch.where(inside, teacher_ce, 0.0), inside.sum())  # no mask indexing: no wait
 
 
 def observe_buckets(into: LossDiagnostics, logits: Tensor, ids: Tensor, teacher_buckets: Tensor, labels: Tensor | None,

@@ -85,9 +85,10 @@ class _ChunkedDistillation(torch.autograd.Function):
 
 
 def select_loss_rows(
-    states: Tensor, mask: Tensor | None, labels: Tensor | None = None
+    states: Tensor, mask: Tensor | None, labels: Tensor | None = None, rows: Tensor | None = None
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Flatten ``states`` ``[B, T, F]`` (or ``[N, F]``) and pick the rows where ``mask`` ``[B, T]`` is True.
+    """Flatten ``states`` ``[B, T, F]`` (or ``[N, F]``) and pick the rows where ``mask`` ``[B, T]`` is True (`rows`:
+    their row-major indices when already known, `data.loss_layout`: then the mask is not read, and nothing waits).
 
     Returns ``(flat [N, F], rows [n] int64 row-major indices or None for all, labels [n] or None)``.
     """
@@ -96,7 +97,8 @@ def select_loss_rows(
         if t is not None and t.shape != lead:
             raise ValueError(f"{name} shape {tuple(t.shape)} must equal the hidden leading shape {tuple(lead)}.")
     flat = states.reshape(-1, states.shape[-1])
-    rows = None if mask is None else mask.reshape(-1).nonzero().squeeze(1)
+    if rows is None and mask is not None:
+        rows = mask.reshape(-1).nonzero().squeeze(1)
     if labels is not None:
         labels = labels.reshape(-1) if rows is None else labels.reshape(-1).index_select(0, rows)
     return flat, rows, labels
@@ -153,15 +155,17 @@ def fused_loss(
 def features_loss(student: LossFeatures, *, teacher, target: Tensor, mask: Tensor, settings: LossSettings,
                   num_items_in_batch=None, correction: RolloutCorrection | None = None,
                   diagnostics: LossDiagnostics | None = None,
-                  sampled: SampledTokenJob | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+                  sampled: SampledTokenJob | None = None,
+                  rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """One micro-batch's ``(kd, ce, aux)``, run inside the student's patched forward (`model.fused_forward`, so
     DeepSpeed's hooks wrap it): the student's `LossFeatures` at the kept positions, the loss tokens `mask` ``[B, K]``
     and their `target` ``[B, K]``, and the teacher over them (a `teacher.base.TeacherBatch`: its `heads`, gathered
     around the loss, and its `signal`; a routed signal's `order` reorders the rows teacher by teacher). ``aux``: a
     Mixture-of-Experts student's router load-balancing loss of the same forward (None: not asked for). `sampled`: the
     rows are the student's own samples and the KD term is the sampled-token objective (`loss.sampled_token`), its
-    ratio against the engine's log-probs in `correction` when an engine sampled."""
-    s_flat, rows, labels = select_loss_rows(student.states, mask, target.clamp(min=0))
+    ratio against the engine's log-probs in `correction` when an engine sampled. `rows`: the loss tokens' indices
+    in ``[B, K]`` (`data.loss_layout.LossLayout.rows`; None: found from `mask`)."""
+    s_flat, rows, labels = select_loss_rows(student.states, mask, target.clamp(min=0), rows)
     heads = [head for head in (student.head, *teacher.heads) if head is not None]
     with gathered(*(param for head in heads for param in head.params)):
         signal = teacher.signal(rows, len(labels), settings)

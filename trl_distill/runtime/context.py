@@ -37,6 +37,10 @@ class RunContext:
     logit_paths: Any = None
     """Each model's logit path, settled once on the first batch (`model.logit_check.LogitPaths`)."""
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("trl_distill"))
+    layouts: Any = None
+    """The step's loss-token layouts, measured as its batches are fetched (`data.loss_layout.LayoutMemo`)."""
+    deferred: Any = None
+    """What the step found not finite, read once before its last backward (`runtime.validation.StepFlags`)."""
 
     @property
     def state(self):

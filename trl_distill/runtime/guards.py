@@ -18,6 +18,7 @@ import torch
 
 from ..errors import ExternalError
 from .context import RunContext
+from .validation import teacher_not_finite
 
 logger = logging.getLogger("trl_distill")
 
@@ -71,21 +72,48 @@ class Guards:
         self.context = context
         self.collapsed_logs = 0  # consecutive logging steps past a collapse bound
 
-    def check_loss(self, loss: torch.Tensor) -> None:
-        """Before the backward: stop on every rank when any rank's loss is not finite (collective)."""
-        run = self.context
-        if not run.args.stop_on_nonfinite_loss:
-            return
-        bad = (~torch.isfinite(loss.detach())).float().reshape(1)
+    def check_loss(self, loss: torch.Tensor, totals: torch.Tensor | None = None) -> list[float] | None:
+        """After each micro-batch's loss in training: keep it; at the optimizer step's last micro-batch, before its
+        backward (so before the optimizer), read the step's checks at once (`check_step`), and `totals` with them."""
+        self.context.deferred.losses.append(loss.detach().reshape(1))
+        return self.check_step(totals) if self.context.accelerator.sync_gradients else None
+
+    def check_step(self, totals: torch.Tensor | None = None) -> list[float] | None:
+        """Stop every rank when, on any rank, the teacher's outputs or (with `stop_on_nonfinite_loss`) the student's
+        loss were not finite in this step: one all-reduce and one read of the device (collective). `totals` (a
+        logged step's metrics) are summed over ranks in the same all-reduce and returned, read."""
+        run, flags = self.context, self.context.deferred
+        losses = torch.cat(flags.losses) if flags.losses and run.args.stop_on_nonfinite_loss else None
+        teacher_bad, where, layout_bad = flags.teacher_bad, flags.where, flags.layout_bad
+        flags.clear()
+        if losses is None and teacher_bad is None and totals is None and layout_bad is None:
+            return None
+        device = next(t.device for t in (losses, teacher_bad, totals, layout_bad) if t is not None)
+        zero = torch.zeros(1, dtype=torch.float64, device=device)
+        bad_losses = zero if losses is None else (~torch.isfinite(losses)).double()
+        summed = torch.cat([*(zero if flag is None else flag.to(device, torch.float64) for flag in (layout_bad,
+                                                                                                     teacher_bad)),
+                            bad_losses.amax().reshape(1), *([] if totals is None else [totals.to(torch.float64)])])
         if run.num_processes > 1:
-            bad = run.accelerator.reduce(bad, reduction="sum")
-        if bad.item() > 0:
+            summed = run.accelerator.reduce(summed, reduction="sum")
+        first_bad = zero if losses is None else losses[bad_losses.argmax()].reshape(1).double()
+        layout_ranks, teacher_ranks, loss_ranks, value, *read = torch.cat(
+            [summed[:3], first_bad, summed[3:]]).tolist()  # the step's one read
+        if layout_ranks > 0:
+            raise RuntimeError(
+                f"At step {run.step + 1} the loss-token indices the collator found (on the host) do not match the "
+                "labels being trained on: something changed the batch's labels after the collator. Please report it "
+                "with your data collator and callbacks.")
+        if teacher_ranks > 0:
+            raise teacher_not_finite(where, int(teacher_ranks))
+        if loss_ranks > 0:
             raise TrainingStopped(
-                f"The student's loss is not finite ({float(loss.detach()):g} on rank {run.args.process_index}; "
-                f"not finite on {int(bad.item())} of {run.num_processes} ranks) at step "
+                f"The student's loss is not finite ({value:g} on rank {run.args.process_index}; "
+                f"not finite on {int(loss_ranks)} of {run.num_processes} ranks) at step "
                 f"{run.step + 1}; nothing of this step was applied. Lower the learning "
                 "rate (or add warmup / max_grad_norm), check the data, and resume from the last complete checkpoint; "
                 "stop_on_nonfinite_loss=False trains on.")
+        return read if totals is not None else None
 
     def check_collapse(self, logs: dict[str, float]) -> None:
         """After a training log (the same numbers on every rank): stop after `collapse_patience` collapsed logs."""

@@ -37,6 +37,7 @@ class DistillMetrics:
         self.first_step = LossDiagnostics(context.device)  # a fresh run's first step, dataset rows only
         self.pending: LossDiagnostics | None = None  # the current micro-batch's, filled by the fused loss
         self.scoring: LossDiagnostics | None = None  # sampled rows scored for the generation eval (`scoring_samples`)
+        self.read: tuple[int, list[float]] | None = None  # (step, `totals()` over ranks) read with the guard checks
 
     def diagnostics(self) -> LossDiagnostics | None:
         """A fresh accumulator for the fused loss of one micro-batch, or None when this one is not measured."""
@@ -85,11 +86,14 @@ class DistillMetrics:
                     run.step == 0:  # the teacher check judges it on the data, not on samples
                 self.first_step.merge(pending)
         if run.training:
-            self.guards.check_loss(loss)
             self.sums["kd_loss"] += kd.detach()
             self.sums["ce_loss"] += ce.detach()
             if aux is not None:
                 self.sums["aux_loss"] = self.sums.get("aux_loss", 0.0) + aux.detach()
+            # the guards read the step's checks once, before its last backward; a logged step's totals ride along
+            logged = run.accelerator.sync_gradients and self.logged(run.step + 1)
+            read = self.guards.check_loss(loss, self.totals() if logged else None)
+            self.read = (run.step, read) if read is not None else self.read
             return
         # Like `eval_loss`: one value per sample, duplicates of an uneven last batch dropped.
         for name, value in (("kd_loss", kd), ("ce_loss", ce), *([("aux_loss", aux)] if aux is not None else [])):
@@ -112,26 +116,51 @@ class DistillMetrics:
             if tokens is not None:
                 self.teacher_tokens[name] = self.teacher_tokens.get(name, 0) + tokens
 
+    def totals(self) -> torch.Tensor:
+        """Everything a training log reports, as sums to add over ranks: each term's sum, each routed teacher's
+        tokens, the diagnostics' sums and counts (float64, on the device; `fill_log` reads them back)."""
+        device = self.context.device
+        parts = [torch.as_tensor(total, device=device, dtype=torch.float64).reshape(1) for total in self.sums.values()]
+        parts.append(torch.tensor(list(self.teacher_tokens.values()), dtype=torch.float64, device=device))
+        if self.context.args.log_distill_metrics:
+            for window in (self.window, *self.teacher_windows.values()):
+                parts += [window.sums, window.counts]
+        return torch.cat(parts)
+
     def log_into(self, logs: dict[str, float]) -> None:
-        """Add the means since the last log to a training log (collective: every rank logs)."""
+        """Add the means since the last log to a training log (collective: every rank logs). The totals were read
+        with the step's guard checks (`record`) unless this log comes at a step that was not known to log."""
+        run = self.context
+        step, values = self.read if self.read is not None else (None, None)
+        if step != run.step - 1:
+            totals = self.totals()
+            if run.num_processes > 1:
+                totals = run.accelerator.reduce(totals, reduction="sum")
+            values = totals.tolist()  # one read
+        self.read = None
+        self.fill_log(logs, values)
+
+    def fill_log(self, logs: dict[str, float], values: list[float]) -> None:
+        """The log's means from `totals()` summed over ranks; the sums start again."""
         run = self.context
         steps = max(run.step - self.last_logged_step, 1)
-        for name, total in self.sums.items():
-            total = torch.as_tensor(total, device=run.device, dtype=torch.float32)
-            logs[name] = run.accelerator.gather(total.reshape(1)).mean().item() / steps
-            self.sums[name] = 0.0
-        if self.teacher_tokens:  # each routed teacher's share of every rank's loss tokens
-            counts = torch.tensor(list(self.teacher_tokens.values()), dtype=torch.float64, device=run.device)
-            counts = run.accelerator.reduce(counts, reduction="sum") if run.num_processes > 1 else counts
-            for name, count in zip(self.teacher_tokens, counts.tolist(), strict=True):
-                logs[f"teacher_tokens/{name}"] = count / max(counts.sum().item(), 1.0)
-            self.teacher_tokens = dict.fromkeys(self.teacher_tokens, 0)
+        for name, total in zip(self.sums, values, strict=False):
+            logs[name] = total / run.num_processes / steps  # the mean over ranks, per step
+        self.sums = dict.fromkeys(self.sums, 0.0)
+        at = len(self.sums)
+        counts = values[at : at + len(self.teacher_tokens)]
+        at += len(self.teacher_tokens)
+        for name, count in zip(self.teacher_tokens, counts, strict=True):  # each routed teacher's share of tokens
+            logs[f"teacher_tokens/{name}"] = count / max(sum(counts), 1.0)
+        self.teacher_tokens = dict.fromkeys(self.teacher_tokens, 0)
         self.last_logged_step = run.step
         if run.args.log_distill_metrics:
-            logs.update(self.reduced(self.window))
-            self.window.reset()
-            for name, window in self.teacher_windows.items():  # the same names on every rank: all are listed
-                logs.update({f"{metric}/{name}": value for metric, value in self.reduced(window).items()})
+            width = self.window.sums.numel()
+            windows = [(None, self.window), *self.teacher_windows.items()]  # the same names on every rank
+            for i, (name, window) in enumerate(windows):
+                chunk = values[at + 2 * width * i : at + 2 * width * (i + 1)]
+                means = {k: v for k, v in window.means(chunk[:width], chunk[width:]).items() if k not in INTERNAL}
+                logs.update(means if name is None else {f"{metric}/{name}": v for metric, v in means.items()})
                 window.reset()
 
     def reduced(self, diagnostics: LossDiagnostics, internal: bool = False) -> dict[str, float]:

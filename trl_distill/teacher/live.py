@@ -23,6 +23,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from ..compat import accelerator_state_kept, sequence_parallelism_hidden
 from ..data.batch import loss_tokens
+from ..data.loss_layout import LOSS_LAYOUT
 from ..loss.sparse import top_k_teacher_signal
 from ..model.fused_forward import LossFeatures, add_fused_distillation_forward, gathered, hidden_size
 from ..model.logit_check import announce, probe_inputs, settle_logit_paths
@@ -236,7 +237,8 @@ class LiveTeacher(TeacherSource):
             return rows
         # Every rank runs every teacher forward, even with no loss token: ZeRO-3 gathers are collective.
         features = self.features(model_inputs, keep)
-        check_teacher_finite(features.states, run.accelerator, f"step {run.step + 1}")
+        check_teacher_finite(features.states, run.accelerator, f"step {run.step + 1}",
+                             run.deferred if run.training else None)
         return DenseRows(features.states, features.head)
 
     def after_loss(self) -> None:
@@ -300,7 +302,7 @@ class LiveTeacher(TeacherSource):
 
 
 def _model_inputs(batch: dict) -> dict:
-    return {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+    return {k: v for k, v in batch.items() if k not in ("labels", "shift_labels", LOSS_LAYOUT)}
 
 
 def as_is(features: LossFeatures) -> LossFeatures:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.batch import loss_tokens
+from ..data.loss_layout import step_layout
 from ..model.fused_forward import gathered
 from ..rollout.on_policy import DATASET, completion_source
 from ..runtime.sequence_parallel import sequence_parallel_size
@@ -112,11 +113,11 @@ class TeacherStepPass:
             run.logit_paths.settle(run.wrapped, first, masks[0][:, masks[0].any(0)])
         tokenizer = run.tokenizer
         rows = right_padded(batches, getattr(tokenizer, "pad_token_id", None) or 0)
-        width = rows["input_ids"].shape[1]
-        wanted = torch.cat([F.pad(m, (0, width - m.shape[1])) for m in masks])  # [R, width]: loss tokens
-        positions = wanted.any(0).nonzero().squeeze(1)  # every position with a loss token in some row
-        wanted = wanted[:, positions]
-        total = wanted.shape[0]
+        # where the loss tokens are: measured with the step's batches (one host read), else here (one read)
+        layout = run.layouts.step(batches) if run.layouts is not None else None
+        layout = layout if layout is not None else step_layout(masks)
+        positions, width = layout.keep, layout.keep.numel()  # every position with a loss token in some row
+        total = rows["input_ids"].shape[0]
         size = min(run.args.teacher_batch_size or total, total)
         picked, head = [], None
         for start in range(0, size * self._forward_count(math.ceil(total / size)), size):
@@ -125,11 +126,13 @@ class TeacherStepPass:
                 self.teacher.features({k: v[:1] for k, v in rows.items()}, positions[:0])
                 continue
             features = self.teacher.features({k: v[start:stop] for k, v in rows.items()}, positions)
-            picked.append(features.states[wanted[start:stop]])  # [n, F], (row, position) order
+            # its rows' loss tokens, (row, position) order, from their [rows, P] grid
+            wanted = layout.rows[layout.row_bounds[start] : layout.row_bounds[stop]] - start * width
+            picked.append(features.states.flatten(0, 1).index_select(0, wanted))  # [n, F]
             head = features.head
         states = torch.cat(picked)
-        check_teacher_finite(states, run.accelerator, f"step {run.step + 1}")
-        for batch, part in zip(batches, states.split([int(m.sum()) for m in masks])):
+        check_teacher_finite(states, run.accelerator, f"step {run.step + 1}", run.deferred)
+        for batch, part in zip(batches, states.split(layout.counts), strict=True):
             self.queue.append((batch["input_ids"], DenseRows(part, head, selected=True)))
         if head is not None:  # gathered once for the whole step (a no-op for a head that is not partitioned)
             self._held.enter_context(gathered(*head.params))
@@ -147,7 +150,10 @@ class TeacherStepPass:
         if not self.queue:
             return None
         ids, rows = self.queue.popleft()
-        if ids.shape != inputs["input_ids"].shape or not torch.equal(ids, inputs["input_ids"].to(ids.device)):
+        given = inputs["input_ids"]
+        same = given is ids or (given.shape == ids.shape and given.device == ids.device and  # no read of the device
+                                given.stride() == ids.stride() and given.data_ptr() == ids.data_ptr())
+        if not same and (ids.shape != given.shape or not torch.equal(ids, given.to(ids.device))):
             self.release()
             raise RuntimeError(
                 "The teacher's rows computed ahead for this optimizer step "
