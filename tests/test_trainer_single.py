@@ -238,3 +238,28 @@ def test_training_arguments_in_the_teacher_slot_are_refused(tiny_pair, tmp_path)
 
     with pytest.raises(TypeError, match="the second positional argument is the teacher"):
         DistillationTrainer(tiny_pair["student"], TrainingArguments(output_dir=str(tmp_path)))
+
+
+@pytest.mark.distributed  # DeepSpeed in a process of its own (one rank, no torchrun)
+def test_on_one_process_the_teacher_is_held_whole_unless_zero3_is_asked(tiny_pair, tmp_path):
+    """Issue 55: ZeRO-3 over one process partitions nothing, and its per-module hooks cost host time on a GPU. Beside
+    a one-process ZeRO-2 student the teacher is held whole (said in one line), and trains exactly as a ZeRO-3 teacher
+    asked for with `teacher_deepspeed`."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).parent / "scripts" / "whole_teacher_worker.py"
+    proc = subprocess.run([sys.executable, str(worker), str(Path(tiny_pair["teacher"]).parent), str(tmp_path)],
+                          capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    runs = json.loads((tmp_path / "whole_teacher.json").read_text())
+    whole, zero3 = runs["whole"], runs["zero3"]
+    assert whole["engine"] == whole["module"] == "LlamaForCausalLM" and not whole["partitioned"]
+    assert len(whole["said"]) == 1 and "held whole on cpu" in whole["said"][0]
+    assert zero3["engine"] == "DeepSpeedEngine" and zero3["partitioned"] and not zero3["said"]
+    assert list(whole["losses"]) == ["1", "2", "3", "4"]
+    for step, loss in whole["losses"].items():
+        assert loss == pytest.approx(zero3["losses"][step], rel=1e-6)

@@ -32,7 +32,9 @@ class TeacherFields:
             "help": "The teacher's own DeepSpeed config: a JSON file, a JSON string or a dict. Its 'auto' values are "
             "filled from these arguments, its ZeRO-3 bucket sizes from the teacher's hidden size, and optimizer or "
             "scheduler blocks are dropped. When absent and the student uses DeepSpeed, a ZeRO-3 inference config "
-            "is derived, so each rank holds 1/N of the teacher."
+            "is derived, so each rank holds 1/N of the teacher; on one process there is nothing to partition over, "
+            "so the teacher is held whole on the device, without ZeRO-3's per-module hooks (set this to keep ZeRO-3 "
+            "there, e.g. to offload its parameters)."
         },
     )
     teacher_step_pass: bool = field(

@@ -93,6 +93,8 @@ class LiveTeacher(TeacherSource):
         self.engine: nn.Module | None = None  # what runs the forward: a DeepSpeed engine or the module
         self.step_pass: TeacherStepPass | None = None
         self.config_notes: list[str] = []
+        self.held_whole = False  # beside a one-process DeepSpeed student: no ZeRO-3 engine
+        self.whole_dtype: torch.dtype | None = None  # then: the dtype its engine would have cast it to
 
 
 
@@ -136,6 +138,10 @@ class LiveTeacher(TeacherSource):
             return None
         self.config_notes = []
         given = self.deepspeed_config if self.deepspeed_config is not None else args.teacher_deepspeed
+        if given is None and args.world_size == 1:  # nothing to partition over: held whole, no per-module hooks
+            self.held_whole = True
+            self.whole_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+            return None
         config = build_teacher_config(given, student_plugin.deepspeed_config, args,
                                       hidden_size(self.config), notes=self.config_notes)
         stage = config["zero_optimization"].get("stage", 0)
@@ -192,6 +198,11 @@ class LiveTeacher(TeacherSource):
             freeze(model)
             add_fused_distillation_forward(model)
             engine = model.to(device)
+            if self.held_whole:
+                logger.info("trl_distill: one process: the %s is held whole on %s (%.2f GiB, %s), without ZeRO-3's "
+                            "partitioning and its per-module hooks; on several processes, or with teacher_deepspeed, "
+                            "it is partitioned with ZeRO-3.", self.label, device,
+                            sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30, model.dtype)
         self.module, self.engine = model, engine
         if isinstance(self.source, PreTrainedModel):
             self.source = model
@@ -203,8 +214,9 @@ class LiveTeacher(TeacherSource):
         """Its dtype follows the student's unless `teacher_model_init_kwargs` names one; its tokenizer must map tokens
         to the student's ids; the once-per-step pass gets the run."""
         super().attach(context)
-        if not {"dtype", "torch_dtype"} & set(self.init_kwargs):
-            self.init_kwargs["dtype"] = context.student.dtype
+        if not {"dtype", "torch_dtype"} & set(self.init_kwargs):  # (held whole beside a DeepSpeed student: the
+            # dtype its ZeRO-3 engine would have cast it to)
+            self.init_kwargs["dtype"] = self.whole_dtype or context.student.dtype
         check_tokenizers_match(context.processing_class, self.tokenizer)
         self.step_pass = TeacherStepPass(context, self)
 
