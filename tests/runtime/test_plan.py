@@ -296,3 +296,16 @@ def test_a_sequence_parallel_size_that_does_not_divide_the_gpus_is_one_line(caps
     with pytest.raises(SystemExit):
         plan_main(["--student", "1B", "--teacher", "8B", "--gpus_per_node", "8", "--sequence_parallel", "3"])
     assert "sequence_parallel 3 must divide the 8 GPUs" in capsys.readouterr().err
+
+
+def test_on_one_gpu_the_plan_says_the_teacher_is_held_whole(capsys):
+    """Issue 55: the run holds a one-process teacher whole (no ZeRO-3 hooks); the plan says so in one line, and only
+    there."""
+    one = ["--student", "1B", "--teacher", "3B", "--nodes", "1", "--gpus_per_node", "1", "--gpu_memory_gb", "141"]
+    plan_main(one)
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("Recommendation")]
+    assert line.startswith("Recommendation: ours") and line.endswith(
+        "On 1 GPU the teacher is held whole: nothing to partition over, so no ZeRO-3 hooks (teacher_deepspeed keeps "
+        "ZeRO-3).")
+    plan_main([*one[:-4], "--gpus_per_node", "8", "--gpu_memory_gb", "141"])
+    assert "held whole" not in capsys.readouterr().out

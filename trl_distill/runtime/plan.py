@@ -438,7 +438,9 @@ def recommendation_text(result: dict) -> str:
         return f"Recommendation: nothing fits, even at micro batch 1 with gradient checkpointing. Add GPUs.{elsewhere}"
     text = f"Recommendation: {rec['config']} ({result['configs'][rec['config']]['description']})"
     total = f"{rec['total'] / GIB:.2f} GiB per GPU"
+    whole = (" On 1 GPU the teacher is held whole: nothing to partition over, so no ZeRO-3 hooks (teacher_deepspeed "
+             "keeps ZeRO-3)." if result["gpus"] == 1 and rec["config"] in ("ours", "offload_optimizer") else "")
     if rec["settings"]:
         knobs = ", ".join(f"--{k} {v}" for k, v in rec["settings"].items())
-        return f"Nothing fits as given. {text}, {total} with {knobs}.{elsewhere}"
-    return f"{text}, {total}."
+        return f"Nothing fits as given. {text}, {total} with {knobs}.{whole}{elsewhere}"
+    return f"{text}, {total}.{whole}"
