@@ -110,11 +110,22 @@ class _Constructors(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _Autocast(torch.autocast):
+    """`torch.autocast` for the device's type (which has no autocast of its own) runs as the host's."""
+
+    def __init__(self, device_type, *args, **kwargs):
+        super().__init__("cpu" if device_type == DEVICE.type else device_type, *args, **kwargs)
+
+
 @contextlib.contextmanager
 def on_device():
     """Make tensors made with ``device=DEVICE`` device tensors (with values) while it lasts."""
-    with _Constructors(), _Mode():
-        yield
+    autocast, torch.autocast = torch.autocast, _Autocast
+    try:
+        with _Constructors(), _Mode():
+            yield
+    finally:
+        torch.autocast = autocast
 
 
 def to_device(tensor: torch.Tensor) -> OnDevice:
