@@ -65,5 +65,7 @@ class SelfTeacher(TeacherSource):
 
     def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> DenseRows:
         features = self.features(model_inputs, keep)
-        check_teacher_finite(features.states, self.context.accelerator, f"step {self.context.step + 1}")
+        run = self.context
+        check_teacher_finite(features.states, run.accelerator, f"step {run.step + 1}",
+                             run.deferred if run.training else None)  # in training: read with the step's guards
         return DenseRows(features.states, features.head)
