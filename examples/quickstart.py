@@ -71,7 +71,8 @@ def teach_teacher(out: str, steps: int, train) -> tuple:
     sft = SFTConfig(
         output_dir=os.path.join(out, "teacher_sft"), max_steps=steps, per_device_train_batch_size=16,
         max_length=MAX_LENGTH, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=20, logging_steps=100,
-        save_strategy="no", bf16=False, activation_checkpointing=False, report_to="none", use_cpu=True, seed=0,
+        save_strategy="no", bf16=False, activation_checkpointing=False, report_to="none", seed=0,
+        use_cpu=not torch.cuda.is_available(),  # on the GPU where there is one; fp32 as the recipe (same numbers)
     )
     SFTTrainer(teacher, args=sft, train_dataset=train.select_columns("text"), processing_class=tokenizer).train()
     for name, model in (("teacher", teacher), ("student", student)):
