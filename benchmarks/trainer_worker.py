@@ -12,6 +12,15 @@ Contenders (``spec["trainer"]``):
   beside a ZeRO-3 one).
 * ``bare``: a plain PyTorch loop: teacher forward under ``no_grad``, student forward, full-logit KL on completion
   tokens, backward, gradient clipping at 1.0 and fused AdamW (what the Trainer runs by default), no Trainer.
+* ``cli``: `trl_distill.cli.build_trainer` on the `trl-distill` flags ``spec["argv"]`` (the data from their
+  ``--dataset_name``, prepared by the trainer itself: a teacher of another tokenizer, a teacher cache), then timed as
+  ``ours``; ``cache_write``: `trl-distill cache-teacher` on ``spec["argv"]`` in this process, timed as a whole
+  (``seconds``; no optimizer steps), with its manifest's rows, loss tokens and bytes.
+
+``spec["config"]`` adds fields to both configs (``lmbda``, ``max_new_tokens``: on-policy; ``on_policy_objective``;
+``router_aux_loss_coef``), ``spec["lora"]`` gives both trainers a `peft.LoraConfig` of those arguments; with
+``lmbda`` > 0 the collator also hands GKD the left-padded prompts (``prompts``, ``prompt_attention_mask``) it samples
+from (ours finds them in ``labels``).
 
 Every contender reads the same saved models and the same pre-tokenized batches through one collator. Each rank
 writes ``<spec["out"]>/rank<k>.json``: memory probes (``/proc/self/status`` VmRSS / VmHWM; the high-water mark is
@@ -36,6 +45,12 @@ from trl_distill.runtime.distributed import teardown_process_group
 from trl_distill.testing import write_rank_record
 
 KIB = 1024
+
+
+def gpu_turn() -> None:
+    """Called where each contender is about to start its GPU work (after building a `DistillationTrainer`, whose
+    models load in train(); before building GKD's, which prepares its teacher at once): nothing here;
+    `benchmarks/gpu/train_worker.py` waits there for its row's turn on the GPU."""
 
 
 # ---- memory and teacher size --------------------------------------------------------------------------------
@@ -94,6 +109,29 @@ def collate(examples: list[dict]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.masked_fill(~completion, -100)}
 
 
+def collate_with_prompts(examples: list[dict]) -> dict[str, torch.Tensor]:
+    """`collate`, plus each row's prompt left-padded (id 0, masked): ``prompts`` [B, P], ``prompt_attention_mask``
+    [B, P], what `GKDTrainer` samples on-policy completions from."""
+    batch = collate(examples)
+    lengths = [e["completion_mask"].index(1) for e in examples]
+    width = max(lengths)
+    prompts = torch.zeros(len(examples), width, dtype=torch.long)
+    mask = torch.zeros_like(prompts)
+    for row, (example, length) in enumerate(zip(examples, lengths, strict=True)):
+        prompts[row, width - length:] = torch.tensor(example["input_ids"][:length])
+        mask[row, width - length:] = 1
+    return {**batch, "prompts": prompts, "prompt_attention_mask": mask}
+
+
+def lora_config(spec: dict):
+    """`peft.LoraConfig` of ``spec["lora"]`` (a causal LM's), or None."""
+    if not spec.get("lora"):
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(task_type="CAUSAL_LM", **spec["lora"])
+
+
 # ---- contenders ---------------------------------------------------------------------------------------------
 def common_args(spec: dict) -> dict:
     return dict(
@@ -114,17 +152,32 @@ def run_ours(spec: dict, rec: dict, data, tokenizer) -> list[float]:
         **common_args(spec), alpha=1.0, temperature=1.0, divergence="forward_kl", assistant_only_loss=False,
         teacher_step_pass=spec["trainer"] != "ours_per_micro_batch",
         log_distill_metrics=spec.get("log_distill_metrics", True),
-        distill_metrics_every_step=spec.get("distill_metrics_every_step", False),
+        distill_metrics_every_step=spec.get("distill_metrics_every_step", False), **spec.get("config", {}),
     )
     probe(rec, "before_trainer")
     trainer = DistillationTrainer(
         spec["student"], spec["teacher"], args=args, train_dataset=data, processing_class=tokenizer,
-        data_collator=collate,
+        data_collator=collate, peft_config=lora_config(spec),
     )
+    gpu_turn()
+    return train_ours(trainer, spec, rec)
+
+
+def run_cli(spec: dict, rec: dict, data, tokenizer) -> list[float]:
+    from trl_distill.cli import build_trainer, make_parser
+
+    probe(rec, "before_trainer")
+    trainer = build_trainer(*make_parser().parse_args_and_config(args=spec["argv"]))
+    gpu_turn()
+    return train_ours(trainer, spec, rec)
+
+
+def train_ours(trainer, spec: dict, rec: dict) -> list[float]:
+    """Train a `DistillationTrainer`, probing memory once its teacher is ready; the optimizer steps' end times."""
     prepare = trainer.prepare_teacher
 
     def prepare_and_probe():  # the teacher is loaded and prepared inside train(), after the Trainer's free_memory()
-        first = not trainer.teacher.prepared
+        first = not getattr(trainer.teacher, "prepared", "teacher_ready" in rec["memory"])  # a cache: no model
         prepare()
         if first:
             probe(rec, "teacher_ready", reset=True)
@@ -133,11 +186,28 @@ def run_ours(spec: dict, rec: dict, data, tokenizer) -> list[float]:
     timer = step_timer(instrument_ours(trainer) if spec.get("split") else None)
     trainer.add_callback(timer)
     rec["train_loss"] = trainer.train().training_loss
-    rec["teacher_bytes"] = teacher_bytes(trainer.teacher.module)
-    rec["dtypes"] = {"student": str(trainer.model.dtype), "teacher": str(trainer.teacher.module.dtype)}
+    teacher = getattr(trainer.teacher, "module", None)  # None: a teacher cache
+    rec["teacher_bytes"] = teacher_bytes(teacher) if teacher is not None else {"held": 0}
+    rec["dtypes"] = {"student": str(trainer.model.dtype), "teacher": str(teacher.dtype) if teacher else None}
     rec["world_size"] = trainer.args.world_size
     rec["split"] = timer.split
     return timer.ends
+
+
+def run_cache_write(spec: dict, rec: dict, data, tokenizer) -> None:
+    """`trl-distill cache-teacher` with ``spec["argv"]``, here; its seconds and what its manifest says it wrote."""
+    from trl_distill.cli import cache_teacher
+
+    probe(rec, "before_trainer")
+    gpu_turn()
+    start = time.perf_counter()
+    cache_teacher.main(spec["argv"])
+    rec["seconds"] = time.perf_counter() - start
+    probe(rec, "teacher_ready")  # (after the run: the high-water mark holds the teacher's load and the cache pass)
+    directory = spec["argv"][spec["argv"].index("--teacher_cache") + 1]
+    manifest = json.loads(open(os.path.join(directory, "manifest.json")).read())
+    rec["cache"] = {"rows": manifest["num_rows"], "loss_tokens": sum(s["tokens"] for s in manifest["shards"]),
+                    "bytes": sum(s["bytes"] for s in manifest["shards"]), "top_k": manifest["top_k"]}
 
 
 def run_gkd(spec: dict, rec: dict, data, tokenizer) -> list[float]:
@@ -153,11 +223,13 @@ def run_gkd(spec: dict, rec: dict, data, tokenizer) -> list[float]:
             prepare_cpu_distributed_state(self)
             super().__post_init__()
 
-    args = CPUGKDConfig(**common_args(spec), lmbda=0.0, beta=0.0, seq_kd=False, temperature=1.0)
+    settings = {"lmbda": 0.0, **spec.get("config", {})}
+    args = CPUGKDConfig(**common_args(spec), beta=0.0, seq_kd=False, temperature=1.0, **settings)
     probe(rec, "before_trainer")
+    gpu_turn()
     trainer = GKDTrainer(
         spec["student"], spec["teacher"], args=args, train_dataset=data, processing_class=tokenizer,
-        data_collator=collate,
+        data_collator=collate_with_prompts if settings["lmbda"] > 0 else collate, peft_config=lora_config(spec),
     )
     probe(rec, "teacher_ready", reset=True)  # GKD loads and prepares its teacher in __init__
     timer = step_timer(instrument_gkd(trainer) if spec.get("split") else None)
@@ -177,6 +249,7 @@ def run_bare(spec: dict, rec: dict, data, tokenizer) -> list[float]:
 
     torch.manual_seed(0)
     probe(rec, "before_trainer")
+    gpu_turn()
     dtype = torch.bfloat16 if spec.get("bf16") else torch.float32
     student = AutoModelForCausalLM.from_pretrained(spec["student"], dtype=dtype).train()
     teacher = AutoModelForCausalLM.from_pretrained(spec["teacher"], dtype=dtype).eval().requires_grad_(False)
@@ -205,7 +278,8 @@ def run_bare(spec: dict, rec: dict, data, tokenizer) -> list[float]:
     return ends
 
 
-RUNNERS = {"ours": run_ours, "ours_per_micro_batch": run_ours, "gkd": run_gkd, "bare": run_bare}
+RUNNERS = {"ours": run_ours, "ours_per_micro_batch": run_ours, "gkd": run_gkd, "bare": run_bare, "cli": run_cli,
+           "cache_write": run_cache_write}
 
 
 def cap_memory(spec: dict) -> None:
@@ -229,6 +303,10 @@ def main() -> None:
     data = dataset(spec)
     ends = RUNNERS[spec["trainer"]](spec, rec, data, tokenizer)
     probe(rec, "after_train")
+    if ends is None:  # no optimizer steps (cache_write): timed as a whole
+        write_rank_record(spec["out"], rank, rec)
+        teardown_process_group()
+        return
     warm = spec["warmup"]
     rec["step_ends"] = ends
     rec["timed_steps"] = len(ends) - warm
