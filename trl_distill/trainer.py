@@ -17,7 +17,7 @@ from .compat import TrainerInternals  # the Trainer's private members we use, ea
 from .config import DistillationConfig, as_distillation_config
 from .data import prepare
 from .data.batch import loss_tokens
-from .data.loss_layout import LOSS_LAYOUT, LayoutMemo, LossTokensCollator
+from .data.loss_layout import LOSS_LAYOUT, LayoutMemo, LossTokensCollator, streamed
 from .evaluation.fields import eval_sampling_temperature
 from .evaluation.generation import GenerationEvaluation, eval_settings
 from .loss.fused import features_loss
@@ -138,7 +138,9 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
             task_columns = row_columns(self.train_dataset, self.teacher.columns) if args.task_reward_funcs else None
             if task_columns is not None:  # the rows' own columns travel with the batch, for the reward functions
                 self.data_collator = TaskColumnsCollator(self.data_collator, task_columns)
-            self.data_collator = LossTokensCollator(self.data_collator)  # where the loss tokens are, on the host
+            if not streamed(self.train_dataset, self.eval_dataset):  # (accelerate dispatches a stream's batches
+                # from rank 0 and can only concatenate tensors)
+                self.data_collator = LossTokensCollator(self.data_collator)  # where the loss tokens are, on the host
             check_dataset_not_empty(self.train_dataset, "train", "prepared", args.max_length)
             check_sampling_prompts(self.train_dataset, args)  # lmbda / seq_kd: every row needs a prompt
             evaluation = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}

@@ -116,3 +116,23 @@ def test_the_collator_finds_them_on_the_host_and_a_changed_label_stops_the_step(
     trainer.layouts.start_step([batch], [batch["labels"][:, 1:] != -100], [held], trainer.context.deferred)
     with pytest.raises(RuntimeError, match="do not match the labels being trained on"):
         Guards(trainer.context).check_step()
+
+
+def test_a_streamed_dataset_keeps_its_batches_plain_tensors(tiny_pair, tmp_path):
+    """accelerate dispatches an `IterableDataset`'s batches from rank 0 and can only concatenate tensors: no host
+    layout rides along there (its loss tokens are measured on the device)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair["tokenizer"])
+    common = dict(use_cpu=True, report_to="none", max_steps=2, remove_unused_columns=False,
+                  dataset_kwargs={"skip_prepare_dataset": True})
+    mapped = DistillationTrainer(tiny_pair["student"], tiny_pair["teacher"], train_dataset=_data(),
+                                 args=DistillationConfig(output_dir=str(tmp_path / "mapped"), **common),
+                                 processing_class=tokenizer, data_collator=_collate)
+    streamed = DistillationTrainer(tiny_pair["student"], tiny_pair["teacher"],
+                                   train_dataset=_data().to_iterable_dataset(),
+                                   args=DistillationConfig(output_dir=str(tmp_path / "streamed"), **common),
+                                   processing_class=tokenizer, data_collator=_collate)
+    rows = [_data()[i] for i in range(2)]
+    assert "loss_token_layout" in mapped.data_collator(rows)
+    assert "loss_token_layout" not in streamed.data_collator(rows)
+    streamed.train()  # measured on the device instead
+    assert streamed.state.global_step == 2

@@ -113,6 +113,14 @@ class LossTokensCollator:
         return getattr(self.collator, name)
 
 
+def streamed(*datasets) -> bool:
+    """Whether any of `datasets` (a dict of them counts as its values) is iterable, not map-style."""
+    from torch.utils.data import IterableDataset
+
+    flat = [d for x in datasets for d in (x.values() if isinstance(x, dict) else [x])]
+    return any(isinstance(d, IterableDataset) or type(d).__name__ == "IterableDataset" for d in flat)
+
+
 def host_step_layout(hosts: list[HostLayout], device) -> StepLayout:
     """`step_layout` of layouts found on the host: the same indices, computed there and sent up without waiting."""
     union = np.unique(np.concatenate([h.keep for h in hosts]))
