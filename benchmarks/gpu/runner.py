@@ -2,11 +2,13 @@
 --nproc_per_node 1``), one at a time on the GPU, within a timeout each and the run's deadline.
 
 While a row runs, the next one is started: it imports and builds what it can on the host, then waits at a gate (a
-file, ``GPU_BENCH_GATE``) where its GPU work begins (`trainer_worker.gpu_turn`), which is created once the row before
-has exited; so no two rows compute on the GPU at once, and each row's start-up (the interpreter's imports: about a
-third of a row's wall time on the first GPU run) overlaps the row before. A row's wall time and timeout count from its
-gate; a waiting row leaves when gpu_bench.py is gone (``GPU_BENCH_PID``). A row that exits non-zero, or runs past
-its timeout (then its whole process tree is killed), fails with the last lines of its output (stdout and stderr, in
+file, ``GPU_BENCH_GATE``) where its GPU work begins (`trainer_worker.gpu_turn`). The gate opens once the row before
+has written its record (its GPU work done; ``row_done`` in its output folder), and that row's exit (tearing down its
+process group and CUDA context) is awaited meanwhile; so no two rows compute on the GPU at once, and a row's start-up
+(imports, torchrun, building its trainer: about a third of a row's wall time on the first GPU run) and the exit of the
+row before are off the clock. A row's wall time and timeout count from its gate; a waiting row leaves when
+gpu_bench.py is gone (``GPU_BENCH_PID``). A row that exits non-zero (before or after its record), or runs past its
+timeout (then its whole process tree is killed), fails with the last lines of its output (stdout and stderr, in
 ``<work>/<row>/log.txt``).
 """
 
@@ -24,6 +26,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 WORKER = HERE / "train_worker.py"
 TAIL_LINES = 40
+DONE = "row_done"  # written by train_worker.py into the row's output folder once its record is
+POLL_S = 0.05
+EXIT_GRACE_S = 60  # a row's exit after its record (tearing down its process group and CUDA context)
 
 
 @dataclass
@@ -36,6 +41,7 @@ class Started:
     log: Path
     out: Path
     spawned: float
+    opened: float = 0.0  # when its gate opened
 
 
 def tail(path: Path, lines: int = TAIL_LINES) -> str:
@@ -77,33 +83,55 @@ def stop(started: Started) -> None:
     started.proc.wait()
 
 
-def finish(started: Started, timeout_s: float, limit: str = "--row_timeout_s") -> dict:
-    """Open the row's gate and wait for it: ``{"wall_s", "process_s"}`` and its record, or ``"error"`` and
-    ``"tail"`` (its output's last lines). `limit`: what set `timeout_s`, for the error."""
+def failed(started: Started, error: str) -> dict:
+    return {"wall_s": time.perf_counter() - started.opened, "process_s": time.perf_counter() - started.spawned,
+            "error": error, "tail": tail(started.log)}
+
+
+def open_gate(started: Started) -> None:
     started.gate.touch()
-    t0 = time.perf_counter()
+    started.opened = time.perf_counter()
+
+
+def wait_row(started: Started, timeout_s: float, limit: str) -> dict:
+    """Wait, from its gate's opening, until the row's GPU work is done (its record written: `DONE` in its output
+    folder), it exits, or `timeout_s` passes (then it is killed; `limit` names what set the timeout). ``{"wall_s",
+    "process_s", "record"}``, or ``"error"`` and ``"tail"`` (its output's last lines)."""
+    while not (started.out / DONE).exists():
+        code = started.proc.poll()
+        if code is not None and not (started.out / DONE).exists():
+            return failed(started, f"exit status {code}" + ("" if code else " without writing its record"))
+        if code is None and time.perf_counter() - started.opened > timeout_s:
+            stop(started)
+            return failed(started, f"timed out after {timeout_s:.0f} s ({limit}); killed")
+        time.sleep(POLL_S)
+    return {"wall_s": time.perf_counter() - started.opened, "process_s": time.perf_counter() - started.spawned,
+            "record": json.loads((started.out / "rank0.json").read_text())}
+
+
+def settle(started: Started, result: dict) -> dict:
+    """`result` once the row's process has exited (`EXIT_GRACE_S` after its record): an error (its figures
+    dropped) when it exits non-zero or not at all (then it is killed)."""
     try:
-        code = started.proc.wait(timeout=max(timeout_s, 0.0))
-        error = f"exit status {code}" if code else None
+        code = started.proc.wait(timeout=EXIT_GRACE_S)
     except subprocess.TimeoutExpired:
         stop(started)
-        error = f"timed out after {timeout_s:.0f} s ({limit}); killed"
-    times = {"wall_s": time.perf_counter() - t0, "process_s": time.perf_counter() - started.spawned}
-    if error is None:
-        try:
-            return {**times, "record": json.loads((started.out / "rank0.json").read_text())}
-        except (OSError, ValueError) as problem:
-            error = f"exit status 0 but no record: {problem}"
-    return {**times, "error": error, "tail": tail(started.log)}
+        error = f"did not exit within {EXIT_GRACE_S} s of writing its record; killed"
+    else:
+        if not code:
+            return result
+        error = f"exit status {code} after writing its record"
+    return {"wall_s": result["wall_s"], "process_s": result["process_s"], "error": error, "tail": tail(started.log)}
 
 
 def run_rows(rows: list[tuple[str, str, str | None]], make_spec, timeout_of, deadline: float, work: Path,
              report) -> dict:
     """Run `rows` (name, launcher, the row it needs first or None) in order; `make_spec(name, out)` gives a row's
     spec, `timeout_of(name)` its timeout, `deadline` (a `time.perf_counter` value) when rows end: none starts after
-    it, a running one is stopped there. `report(name, result)` is called as each row ends; returns name -> result."""
+    it, a running one is stopped there. A row's gate opens as soon as the row before has written its record; that
+    row's exit is awaited then. `report(name, result)` is called as each row ends; returns name -> result."""
     results: dict = {}
-    upcoming = None
+    upcoming = lingering = None  # the next row, waiting at its gate; a row with its record written, exit pending
 
     def launch(index: int):
         if index >= len(rows):
@@ -111,26 +139,45 @@ def run_rows(rows: list[tuple[str, str, str | None]], make_spec, timeout_of, dea
         name, launcher, _ = rows[index]
         return start(name, make_spec(name, work / name / "out"), launcher, work)
 
+    def end(name: str, result: dict) -> None:
+        results[name] = result
+        report(name, result)
+
+    def settle_lingering() -> None:
+        nonlocal lingering
+        if lingering is not None:
+            end(lingering[0].name, settle(*lingering))
+            lingering = None
+
     try:
         upcoming = launch(0)
         for index, (name, _, needs) in enumerate(rows):
             current, upcoming = upcoming, None
             left = deadline - time.perf_counter()
-            if needs and "error" in results.get(needs, {}):
+            if needs:  # what it reads is complete once the row it needs has exited
+                settle_lingering()
+            if needs and "error" in results.get(needs, {"error": "not run"}):
                 result = {"error": f"not run: it reads what {needs} writes, and {needs} failed", "tail": ""}
             elif left <= 0:
+                settle_lingering()
                 result = {"error": "not run: the run's deadline (--deadline_s) had passed", "tail": ""}
             else:
                 upcoming = launch(index + 1)  # its start-up overlaps this row; it waits at its gate
+                open_gate(current)
+                settle_lingering()  # the row before, tearing down beside this one's start
                 own = timeout_of(name)
-                result = finish(current, min(own, left), "--row_timeout_s" if own <= left else "the run's --deadline_s")
+                result = wait_row(current, min(own, left), "--row_timeout_s" if own <= left else
+                                  "the run's --deadline_s")  # fmt: skip
             if "error" in result:
                 stop(current)
-            results[name] = result
-            report(name, result)
+                end(name, result)
+            else:
+                lingering = (current, result)
             if upcoming is None:
                 upcoming = launch(index + 1)
+        settle_lingering()
     finally:
-        if upcoming is not None:
-            stop(upcoming)
+        for started in (upcoming, lingering[0] if lingering else None):
+            if started is not None:
+                stop(started)
     return results

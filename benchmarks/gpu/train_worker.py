@@ -6,8 +6,9 @@ a machine without CUDA, as in ``run.sh --cpu-dry-run``).
 
 With ``GPU_BENCH_GATE=PATH`` in its environment it says so as it starts, and waits until PATH exists where its
 contender is about to start its GPU work (`trainer_worker.gpu_turn`: after building a `DistillationTrainer`, before
-building GKD's), having imported what that work needs: `gpu_bench.py` starts the next row this way while a row runs,
-and creates PATH once that row has exited, so no two rows compute on the GPU at once.
+building GKD's), having imported what that work needs; after writing its record it writes ``row_done`` beside it.
+`runner.py` starts the next row this way while a row runs, and creates PATH once that row's ``row_done`` is there, so
+no two rows compute on the GPU at once.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ def write_with_gpu_memory(directory, rank: int, record: dict):
     if torch.cuda.is_available():
         record["cuda"] = {"device": torch.cuda.get_device_name(), "max_allocated": torch.cuda.max_memory_allocated(),
                           "max_reserved": torch.cuda.max_memory_reserved()}  # fmt: skip
-    return _write(directory, rank, record)
+    path = _write(directory, rank, record)
+    (Path(directory) / "row_done").touch()  # the GPU work is done: gpu_bench.py lets the next row start its own
+    return path
 
 
 def wait_for_gate() -> None:
