@@ -54,7 +54,7 @@ SIZES = {
         "vocab_size": 128000, "seq_len": 4096, "dtype": "bfloat16",
         "off_policy": {"steps": 6, "warmup": 2, "timeout_s": 60},
         "on_policy": {"steps": 2, "warmup": 1, "new_tokens": 256, "timeout_s": 75},
-        "deadline_s": 290,
+        "deadline_s": 280,
         "teacher": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16),
         "student": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16),
         "student_moe": dict(hidden_size=1024, intermediate_size=1024, num_hidden_layers=12, num_attention_heads=16,
@@ -62,7 +62,7 @@ SIZES = {
         "other_vocab_size": 16000, "cache_top_k": 64,
         "lora": dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"),
         "loss": {"vocab_size": 128000, "tokens": [4096, 16384], "teacher_hidden": 2048, "student_hidden": 1024,
-                 "dtype": "bfloat16", "repeats": 5, "warmup": 2},
+                 "dtype": "bfloat16", "repeats": 5, "warmup": 2, "timeout_s": 30},
     },
     "cpu-dry-run": {
         "vocab_size": 1024, "seq_len": 64, "dtype": "bfloat16",
@@ -76,7 +76,7 @@ SIZES = {
         "other_vocab_size": 400, "cache_top_k": 8,
         "lora": dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"),
         "loss": {"vocab_size": 1024, "tokens": [128], "teacher_hidden": 64, "student_hidden": 32, "dtype": "float32",
-                 "repeats": 2, "warmup": 1},
+                 "repeats": 2, "warmup": 1, "timeout_s": 120},
     },
 }  # fmt: skip
 

@@ -7,6 +7,7 @@ last lines, and the others still run."""
 
 from __future__ import annotations
 
+import signal
 import statistics
 import time
 import traceback
@@ -85,10 +86,18 @@ def bench_loss(cfg: dict, selected: list[str], report) -> dict:
     return {"config": cfg, "results": results, "liger_skipped": liger_skipped}
 
 
+def _past_timeout(signum, frame):
+    raise TimeoutError("the loss row ran past its timeout (the loss config's timeout_s)")
+
+
 def _time_one(fn, hs0, ws, ht, wt, cfg: dict, cuda: bool) -> dict:
+    """One method at one size, stopped by SIGALRM after ``cfg["timeout_s"]`` (between Python calls: a hung kernel
+    cannot be interrupted, a slow loop can)."""
     import torch
 
     times, loss, started = [], None, time.perf_counter()
+    previous = signal.signal(signal.SIGALRM, _past_timeout)
+    signal.setitimer(signal.ITIMER_REAL, cfg["timeout_s"])
     try:
         for i in range(cfg["warmup"] + cfg["repeats"]):
             hs = hs0.clone().requires_grad_()
@@ -109,6 +118,8 @@ def _time_one(fn, hs0, ws, ht, wt, cfg: dict, cuda: bool) -> dict:
     except Exception:  # noqa: BLE001 - any failure of a method is its row's, with its traceback
         return {**failure(), "wall_s": time.perf_counter() - started}
     finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
         if cuda:
             torch.cuda.empty_cache()
     return {"ms": statistics.median(times) * 1e3, "ms_min": min(times) * 1e3, "ms_max": max(times) * 1e3,

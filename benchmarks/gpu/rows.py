@@ -104,8 +104,8 @@ def build_models(sizes: dict, directory: Path, needed: set[str]) -> dict:
         Path(out["text"]).write_text("".join(json.dumps(r) + "\n" for r in text))
     if "teacher_other" in needed:  # a byte-level BPE learnt on those rows: each word one token or several
         other = build_tokenizer(sizes["other_vocab_size"], corpus=[r["prompt"] + r["completion"] for r in text])
-        plan.append(("teacher_other", 0, other, lambda: tiny_llama_config(
-            other, "teacher", max_position_embeddings=2 * seq, **sizes["teacher"])))
+        plan.append(("teacher_other", 0, other, lambda: tiny_llama_config(  # (~2.3 of its tokens a word)
+            other, "teacher", max_position_embeddings=3 * seq, **sizes["teacher"])))
     if "student_moe" in needed:
         ids = {k: getattr(tokenizer, k) for k in ("pad_token_id", "bos_token_id", "eos_token_id")}
         plan.append(("student_moe", 1, tokenizer, lambda: AutoConfig.for_model(
@@ -155,7 +155,7 @@ def spec_of(name: str, sizes: dict, models: dict, out: Path, work: Path) -> dict
                  "--gradient_checkpointing", "false", "--report_to", "none", "--disable_tqdm", "true",
                  "--save_strategy", "no", "--logging_steps", "1000000", "--deepspeed", Z2,
                  "--dataloader_num_workers", "0", "--alpha", "1", "--temperature", "1", "--divergence", "forward_kl",
-                 "--log_distill_metrics", "false", "--max_length", str(2 * sizes["seq_len"])]  # fmt: skip
+                 "--log_distill_metrics", "false", "--max_length", str(3 * sizes["seq_len"])]  # fmt: skip
         if bf16 and not torch.cuda.is_available():  # transformers' bf16 on a CPU needs it (as common_args)
             flags += ["--use_cpu", "true"]
         cache = str(work / "teacher_cache")
