@@ -102,7 +102,9 @@ def test_the_collator_finds_them_on_the_host_and_a_changed_label_stops_the_step(
     rows = [{"input_ids": [5, 6, 7, 8], "completion_mask": [0, 0, 1, 1]},
             {"input_ids": [9, 10, 11, 12], "completion_mask": [0, 1, 1, 1]}]
     batch = LossTokensCollator(_collate)(rows)
-    host = batch["loss_token_layout"].value
+    key, labels = batch["loss_token_layout"].value
+    assert key == "labels" and labels is batch["labels"]  # the host tensor itself: read as the step starts
+    host = HostLayout.of(key, labels)
     assert host.shape == (2, 3) and host.keep.tolist() == [0, 1, 2] and host.flat.tolist() == [1, 2, 3, 4, 5]
     # the run's memo takes the host's layout, and checks it on the device with the step's guards
     tokenizer = AutoTokenizer.from_pretrained(tiny_pair["tokenizer"])
@@ -112,7 +114,8 @@ def test_the_collator_finds_them_on_the_host_and_a_changed_label_stops_the_step(
                                                           dataset_kwargs={"skip_prepare_dataset": True}),
                                   processing_class=tokenizer, data_collator=_collate)
     held = batch.pop("loss_token_layout")
-    batch["labels"][1, 1] = -100  # changed after the collator found its loss tokens
+    batch["labels"] = batch["labels"].clone()  # another tensor after the collator, then changed
+    batch["labels"][1, 1] = -100
     trainer.layouts.start_step([batch], [batch["labels"][:, 1:] != -100], [held], trainer.context.deferred)
     with pytest.raises(RuntimeError, match="do not match the labels being trained on"):
         Guards(trainer.context).check_step()

@@ -1,11 +1,11 @@
 """Where a batch's loss tokens are, found without making the device wait.
 
 The loss projects only the positions that carry a loss token, so it needs their indices; a mask's indices
-(``nonzero``, boolean-mask indexing) make a GPU wait for the host, once per call. The collator, which holds the
-labels on the host, finds them there (`LossTokensCollator`: numpy, in the DataLoader) and the batch carries them
-to the step (`LOSS_LAYOUT`), which sends the indices up without waiting. A batch that comes without them (labels
-changed on the way: sequence parallelism's shards, a custom loader) is measured on the device, every micro-batch of
-a step at once: the sizes in one read, the indices at those sizes with `torch.nonzero_static`, which does not wait.
+(``nonzero``, boolean-mask indexing) make a GPU wait for the host, once per call. The collator makes its labels on
+the host, and the batch carries that host tensor to the step (`LossTokensCollator`, `LOSS_LAYOUT`), which finds the
+indices there (numpy) and sends them up without waiting. A batch that comes without them (a stream, whose batches
+accelerate dispatches; labels changed on the way: sequence parallelism's shards) is measured on the device, every
+micro-batch of a step at once: the sizes in one read, the indices at those sizes with `torch.nonzero_static`.
 `LayoutMemo` holds a step's layouts until each micro-batch's loss takes its own (issue 55: no more host
 synchronisations per step than TRL's GKD). Indices from the host are checked on the device against the labels
 they were found from, the check read with the step's guards (`runtime.guards`): a mismatch stops the run.
@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .batch import Held, loss_tokens
+from .batch import Held
 
-LOSS_LAYOUT = "loss_token_layout"  # the batch key: a `Held(HostLayout)` from the collator
+LOSS_LAYOUT = "loss_token_layout"  # the batch key: ``Held((labels key, the host labels))`` from the collator
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def step_layout(masks: list[Tensor]) -> StepLayout:
 
 @dataclass(frozen=True)
 class HostLayout:
-    """A micro-batch's loss tokens as the collator found them on the host (numpy)."""
+    """A micro-batch's loss tokens found on the host (numpy)."""
 
     shape: tuple[int, int]
     """``[B, T]`` of the loss-token mask."""
@@ -91,20 +91,28 @@ class HostLayout:
     flat: np.ndarray
     """The loss tokens' row-major indices in ``[B * T]``."""
 
+    @classmethod
+    def of(cls, key: str, labels: Tensor) -> HostLayout:
+        """From a batch's host `labels` under `key` ("labels": shifted here, as `loss_tokens` does)."""
+        values = labels.numpy()
+        mask = (values[:, 1:] if key == "labels" else values) != -100
+        return cls(mask.shape, np.flatnonzero(mask.any(0)), np.flatnonzero(mask))
+
 
 class LossTokensCollator:
-    """Wraps the run's collator: each batch with labels on the host also carries where its loss tokens are."""
+    """Wraps the run's collator: each batch whose labels are on the host also carries them (`LOSS_LAYOUT`), to be
+    read there as the step starts, after whatever the collators around this one did to them in place."""
 
     def __init__(self, collator):
         self.collator = collator
 
     def __call__(self, examples):
         batch = self.collator(examples)
-        if isinstance(batch, dict) and {"labels", "shift_labels"} & set(batch):
-            mask = loss_tokens(batch)[1]
-            if mask.device.type == "cpu" and mask.dim() == 2:
-                mask = mask.numpy()
-                batch[LOSS_LAYOUT] = Held(HostLayout(mask.shape, np.flatnonzero(mask.any(0)), np.flatnonzero(mask)))
+        if isinstance(batch, dict):
+            key = "shift_labels" if "shift_labels" in batch else "labels" if "labels" in batch else None
+            labels = batch.get(key)
+            if isinstance(labels, Tensor) and labels.device.type == "cpu" and labels.dim() == 2:
+                batch[LOSS_LAYOUT] = Held((key, labels))
         return batch
 
     def __getattr__(self, name):  # the wrapped collator's attributes (e.g. `padding_free`)
@@ -156,11 +164,11 @@ class LayoutMemo:
 
     def start_step(self, batches: list[dict], masks: list[Tensor], hosts: list | None = None, flags=None) -> None:
         """Measure the step's micro-batches (`masks`: their loss-token masks) at once; forget the last step's. The
-        collator's layouts (`hosts`: each batch's `Held(HostLayout)`, taken off it) when every batch has one that
-        fits, each checked on the device against its mask into `flags` (a `runtime.validation.StepFlags`); else one
+        collator's host labels (`hosts`: each batch's `LOSS_LAYOUT`, taken off it) when every batch has them and they
+        fit, each checked on the device against its mask into `flags` (a `runtime.validation.StepFlags`); else one
         read of the device."""
         self.clear()
-        hosts = [getattr(h, "value", None) for h in hosts or [None] * len(batches)]
+        hosts = [None if h is None else HostLayout.of(*h.value) for h in hosts or [None] * len(batches)]
         if not batches:
             return
         if all(h is not None and tuple(h.shape) == tuple(m.shape) for h, m in zip(hosts, masks, strict=True)):
