@@ -79,7 +79,7 @@ def build_models(sizes: dict, directory: Path, needed: set[str]) -> dict:
     import sys
 
     import torch
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from trl_distill.testing import build_tokenizer, tiny_llama_config
 
@@ -115,7 +115,7 @@ def build_models(sizes: dict, directory: Path, needed: set[str]) -> dict:
     for name, seed, its_tokenizer, config in plan:
         torch.manual_seed(seed)
         with torch.device(device):
-            model = _from_config(config(), getattr(torch, sizes["dtype"]))
+            model = AutoModelForCausalLM.from_config(config(), dtype=getattr(torch, sizes["dtype"]))
         out[name], out[f"{name}_params"] = str(directory / name), sum(p.numel() for p in model.parameters())
         model.save_pretrained(out[name])
         its_tokenizer.save_pretrained(out[name])
@@ -123,12 +123,6 @@ def build_models(sizes: dict, directory: Path, needed: set[str]) -> dict:
         if device == "cuda":
             torch.cuda.empty_cache()
     return out
-
-
-def _from_config(config, dtype):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def spec_of(name: str, sizes: dict, models: dict, out: Path, work: Path) -> dict:
