@@ -49,7 +49,10 @@ def test_the_gpu_script_runs_every_row_at_tiny_sizes_on_the_cpu(tmp_path):
     assert ours[0] == pytest.approx(ours[1], rel=1e-3)
     assert report["loss"]["liger_skipped"]  # Triton needs a GPU
     results = {r["method"]: r for r in report["loss"]["results"]}
-    assert set(results) == {f"{w}_{d}" for w in ("ours", "naive") for d in ("forward_kl", "reverse_kl")}
+    assert set(results) == {f"{w}_{d}" for w in ("ours", "naive") for d in ("forward_kl", "reverse_kl")} | {
+        "ourschunk1024_forward_kl", "ourschunk4096_forward_kl"}  # the chunk sizes a GPU run measures
+    for chunked in ("ourschunk1024_forward_kl", "ourschunk4096_forward_kl"):  # the same loss at any chunk size
+        assert results[chunked]["loss"] == pytest.approx(results["naive_forward_kl"]["loss"], rel=1e-5)
     for divergence in ("forward_kl", "reverse_kl"):  # the fused loss equals the full-logits one (fp32)
         assert results[f"ours_{divergence}"]["loss"] == pytest.approx(results[f"naive_{divergence}"]["loss"], rel=1e-5)
         assert results[f"ours_{divergence}"]["loss"] > 0.5  # random models: about 1 nat apart

@@ -15,7 +15,11 @@ import traceback
 MIB = 1 << 20
 TAIL_LINES = 40
 KINDS = ("forward_kl", "reverse_kl")
-METHODS = tuple(f"{name}_{kind}" for name in ("ours", "naive", "liger") for kind in KINDS)
+# Our loss at other chunk sizes than its default (2^25 fp32 logits a chunk: 262 rows at V = 128k), forward KL only:
+# what the first GPU run measures to choose one (issue 55: <= 1.1x the naive loss's time at <= 0.15x its memory)
+CHUNK_ROWS = (1024, 4096)
+METHODS = (*(f"{name}_{kind}" for name in ("ours", "naive", "liger") for kind in KINDS),
+           *(f"ourschunk{rows}_forward_kl" for rows in CHUNK_ROWS))
 
 
 def loss_methods(selected: list[str]) -> tuple[dict, dict, str | None]:
@@ -27,8 +31,9 @@ def loss_methods(selected: list[str]) -> tuple[dict, dict, str | None]:
     from trl_distill.loss.divergences import divergence
     from trl_distill.loss.fused import chunked_divergence
 
-    def ours(kind):
-        return lambda hs, ws, ht, wt: chunked_divergence(hs, ws, ht, wt, None, kind, temperature=1.0)
+    def ours(kind, chunk_size=None):
+        return lambda hs, ws, ht, wt: chunked_divergence(hs, ws, ht, wt, None, kind, temperature=1.0,
+                                                         chunk_size=chunk_size)
 
     def naive(kind):
         return lambda hs, ws, ht, wt: divergence(hs @ ws.T, ht @ wt.T, kind, temperature=1.0)
@@ -46,6 +51,9 @@ def loss_methods(selected: list[str]) -> tuple[dict, dict, str | None]:
         if maker == "liger" and liger_skipped:
             continue
         try:
+            if maker.startswith("ourschunk"):
+                methods[name] = ours(kind, int(maker[len("ourschunk"):]))
+                continue
             methods[name] = makers[maker](kind)
         except Exception:  # noqa: BLE001 - liger-kernel missing or of another signature: that row fails, not the run
             failed[name] = failure()
