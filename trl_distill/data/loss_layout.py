@@ -33,8 +33,11 @@ class LossLayout:
     """``[K]`` int64: the positions with a loss token in some row, ascending."""
     rows: Tensor
     """``[N]`` int64: the loss tokens' row-major indices in the kept ``[B, K]`` grid ((row, position) order)."""
-    count: int
-    """N, known on the host."""
+
+    @property
+    def count(self) -> int:
+        """N, known on the host (a shape)."""
+        return self.rows.numel()
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ def step_layout(masks: list[Tensor]) -> StepLayout:
         flat = torch.nonzero_static(mask.reshape(-1), size=count).squeeze(1)  # into [B * T]
         row, position = flat // length, flat % length
         keep = torch.nonzero_static(any_row, size=k).squeeze(1)
-        micro.append(LossLayout(keep, row * k + (any_row.cumsum(0) - 1)[position], count))
+        micro.append(LossLayout(keep, row * k + (any_row.cumsum(0) - 1)[position]))
         step_rows.append((row + first_row) * positions + union_rank[position])
         first_row += batch
     bounds = [0]
@@ -137,7 +140,7 @@ def host_step_layout(hosts: list[HostLayout], device) -> StepLayout:
         batch, length = host.shape
         row, position = host.flat // length, host.flat % length
         rows = row * host.keep.size + np.searchsorted(host.keep, position)
-        micro.append(LossLayout(_up(host.keep, device), _up(rows, device), int(host.flat.size)))
+        micro.append(LossLayout(_up(host.keep, device), _up(rows, device)))
         step_rows.append((row + first_row) * union.size + np.searchsorted(union, position))
         bounds += (bounds[-1] + np.cumsum(np.bincount(row, minlength=batch))).tolist()
         first_row += batch
