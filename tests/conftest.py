@@ -30,8 +30,9 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 @pytest.fixture(scope="session", autouse=True)
 def shared_ranks():
     """The session's shared ranks (tests/rank_pool.py): every torchrun launch of 2 processes runs there as a job,
-    started on the first one; a test that kills or freezes a rank launches on its own (``own_launch=True``)."""
-    pool = RankPool()
+    started on the first one; a test that kills or freezes a rank launches on its own (``own_launch=True``). They
+    first start over a stale build lock, as a killed first launch leaves it (tests/runtime/test_build_locks.py)."""
+    pool = RankPool(plant_stale_lock=True)
     testing.use_shared_ranks(pool)
     yield pool
     testing.use_shared_ranks(None)

@@ -22,6 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from build_lock import plant_stale_build_lock
+
+from trl_distill.runtime.build_locks import describe_locks
 from trl_distill.runtime.distributed import free_port
 from trl_distill.testing import kill_tree
 
@@ -35,8 +38,12 @@ CHECK_TIMEOUT_S = 30
 class RankPool:
     """`nproc` ranks started on the first job and kept for the next ones; `close` stops them."""
 
-    def __init__(self, nproc: int = 2):
+    def __init__(self, nproc: int = 2, plant_stale_lock: bool = False):
+        """With `plant_stale_lock`, the first start finds a stale build lock where the ranks build DeepSpeed's CPU op
+        (`build_lock.plant_stale_build_lock`), as a killed first launch leaves it; `planted` is its path and
+        `first_start_output` what the ranks wrote before they were ready."""
         self.nproc, self.proc, self.dir, self.next_job = nproc, None, None, 0
+        self.plant_stale_lock, self.planted, self.first_start_output = plant_stale_lock, None, None
         self.launches = 0  # how many times ranks were started: one, unless a job failed
         self.jobs, self.restarts = 0, []  # jobs run; why ranks were stopped before the end (job, reason)
 
@@ -47,6 +54,8 @@ class RankPool:
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)  # the stopped ranks' jobs: their tests have read them
         self.dir = Path(tempfile.mkdtemp(prefix="rank_pool_"))
+        if self.plant_stale_lock and self.launches == 0:
+            self.planted = plant_stale_build_lock()
         (self.dir / "launch_env.json").write_text(json.dumps(env))
         (self.dir / "owner").write_text(str(os.getpid()))  # the ranks leave when this process is gone
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={self.nproc}",
@@ -57,10 +66,15 @@ class RankPool:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not all((self.dir / f"ready.rank{r}").exists() for r in range(self.nproc)):
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                waiting = self._starting_ranks_stacks()
                 log = (self.dir / "pool.log").read_text()[-8000:]
                 self.close()
-                raise RuntimeError(f"the shared ranks did not start:\n{log}")
+                locks = "\n".join(describe_locks()) or "none"
+                raise RuntimeError(f"the shared ranks did not start within {START_TIMEOUT_S} s; {waiting}; build locks "
+                                   f"where they build DeepSpeed's ops: {locks}\n{log}")
             time.sleep(0.1)
+        if self.launches == 1:
+            self.first_start_output = (self.dir / "pool.log").read_text()
 
     def close(self) -> None:
         """Stop the ranks (a job in flight too). With RANK_POOL_LOG set, append what they ran to that file."""
@@ -102,6 +116,22 @@ class RankPool:
             if path.exists():
                 done[rank] = json.loads(path.read_text())
         return done
+
+    def _starting_ranks_stacks(self) -> str:
+        """Ask the ranks that did not get ready for their stacks (in the pool's log); says how many were asked."""
+        import psutil
+
+        try:
+            ranks = psutil.Process(self.proc.pid).children()
+        except psutil.NoSuchProcess:
+            return "torchrun had exited"
+        for rank in ranks:
+            try:
+                rank.send_signal(signal.SIGUSR1)
+            except psutil.NoSuchProcess:
+                pass
+        time.sleep(1)
+        return f"the stacks of the {len(ranks)} ranks still starting are at the end of their log below"
 
     def _dump_stacks(self) -> None:
         """Ask each rank for its threads' stacks (into the job's output), before it is stopped."""

@@ -2,9 +2,11 @@
 
 from typing import TYPE_CHECKING
 
+from .runtime.build_locks import prepare_op_builds
 from .runtime.quiet import quiet_unactionable_warnings
 
 quiet_unactionable_warnings()
+prepare_op_builds()  # before any process group starts: DeepSpeed builds its CPU op then
 
 from .config import DistillationConfig  # noqa: E402
 from .loss.divergences import LOSS_TYPES, divergence  # noqa: E402

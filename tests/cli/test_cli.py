@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracles import held_out_loss  # tests/ is on sys.path
+from build_lock import plant_stale_build_lock  # tests/ is on sys.path
+from oracles import held_out_loss
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_distill.cli import main
@@ -120,15 +121,23 @@ def test_bad_input_fails_on_every_rank(tiny_pair, datasets, tmp_path):
 
 def test_plain_python_with_deepspeed_and_tensorboard(tiny_pair, datasets, tmp_path):
     """`python -m trl_distill` in a fresh process: one-process DeepSpeed, and `--report_to tensorboard` logs the
-    distillation losses."""
+    distillation losses. It starts over a stale lock where DeepSpeed builds its CPU op (a first launch killed
+    midway), which torch alone would wait on forever: one line says it was removed."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    lock = plant_stale_build_lock()
 
     args = base_args(tiny_pair, datasets["prompt_completion"], tmp_path / "out")
     args.remove("--use_cpu")
     args[args.index("--report_to") + 1] = "tensorboard"
     args += ["--deepspeed", str(ROOT / "configs/deepspeed/zero2_student.json")]
     env = {**os.environ, "TENSORBOARD_LOGGING_DIR": str(tmp_path / "tb"), "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "trl_distill", *args], check=True, capture_output=True, timeout=300, env=env)
+    done = subprocess.run([sys.executable, "-m", "trl_distill", *args], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count(f"trl-distill: removed a stale build lock, {lock}: a build of deepspeed_shm_comm was "
+                             "stopped midway and no process holds it; the op is built again.") == 1
+    assert not lock.exists()
     events = EventAccumulator(str(tmp_path / "tb")).Reload()
     for tag in ("train/loss", "train/kd_loss", "train/ce_loss"):
         assert [e.step for e in events.Scalars(tag)] == [1, 2], tag
