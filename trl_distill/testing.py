@@ -220,8 +220,13 @@ def launch(
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        from .runtime.build_locks import describe_locks
+
+        locks = describe_locks()  # before the kill: whether a build lock was what they waited on, and who held it
         kill_tree(proc.pid)
         out, _ = proc.communicate()
+        if locks:
+            out += "\nbuild locks where DeepSpeed builds its ops: " + "; ".join(locks) + "\n"
         raise subprocess.TimeoutExpired(cmd, timeout, output=out) from None
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
     if proc.returncode != 0:
