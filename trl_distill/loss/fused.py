@@ -19,7 +19,7 @@ from .chunk_pass import ChunkPass, LossJob
 from .dense import DenseTeacherSignal
 from .diagnostics import LossDiagnostics
 from .divergences import normalise_sum
-from .sampled_token import SampledTokenJob, sampled_token_signal
+from .sampled_token import SampledTokenJob, ratio_reference, sampled_token_signal
 from .settings import LossSettings, default_chunk_size
 
 if TYPE_CHECKING:
@@ -178,7 +178,7 @@ def features_loss(student: LossFeatures, *, teacher, target: Tensor, mask: Tenso
             vocab = settings.vocab_size or head_shape(s_flat, student.head)[0]
             chunk = settings.chunk_size or default_chunk_size(vocab)
             signal = sampled_token_signal(signal, sampled, rows, labels, mask.shape[1], s_flat, student.head, vocab,
-                                          chunk, None if correction is None else correction.engine)
+                                          chunk, ratio_reference(correction))
         kd, ce = fused_loss(s_flat, student.head, signal, settings, rows, labels, num_items_in_batch, correction,
                             diagnostics)
     return kd, ce, student.aux_loss

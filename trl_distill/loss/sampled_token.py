@@ -7,7 +7,10 @@ Each sampled token ``y_t`` of a completion gets the reward ``r_t = kl_coef · (l
 task reward ``R`` per completion (`task_reward_funcs`), ``task_weight · (R − mean R)`` over the micro-batch's
 completions. The loss is GRPO's clipped surrogate, ``−min(ρ_t A_t, clip(ρ_t, 1 − ε, 1 + ε_high) A_t)`` with
 ``ρ_t = π_student(y_t) / π_old(y_t)``: π_old is the engine that sampled (a vLLM rollout server's log-probs) or the
-student itself when HF `generate` sampled (ρ = 1, the plain policy gradient). Advantages are never differentiated.
+student itself when HF `generate` sampled (ρ = 1, the plain policy gradient). With the engine's truncated
+importance-sampling correction (`vllm_importance_sampling_correction`, as TRL's GRPO applies it) π_old is the
+trainer's own student instead, and each token's surrogate is weighted by ``min(π_student / π_engine, clip_max)``
+(detached; `loss.rollout_correction`). Advantages are never differentiated.
 
 Only the teacher's log-prob of each sampled token is read (`TeacherSignal.token_log_probs`): any teacher whose signal
 holds it (a live teacher's full distribution, a served teacher asked for the sampled tokens' log-probs, a teacher of
@@ -28,6 +31,7 @@ from .signal import TeacherSignal
 
 if TYPE_CHECKING:
     from .diagnostics import LossDiagnostics
+    from .rollout_correction import RolloutCorrection
     from .settings import LossSettings
 
 
@@ -59,6 +63,12 @@ class SampledTokenJob:
     rewards: Tensor | None = None
     stats: dict = field(default_factory=lambda: dict.fromkeys(("advantage", "gap", "gap_tokens", "clipped", "tokens"),
                                                               0.0))
+
+
+def ratio_reference(correction: RolloutCorrection | None) -> Tensor | None:
+    """The log-probs ρ is taken against: the engine's (`correction.engine`); None (the student's own, ρ = 1) when
+    no engine sampled, or when the correction's importance weights already account for the engine (its cap set)."""
+    return None if correction is None or correction.cap is not None else correction.engine
 
 
 def discounted(rewards: Tensor, sequence: Tensor, gamma: float) -> Tensor:

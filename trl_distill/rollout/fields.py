@@ -58,7 +58,9 @@ class EngineRolloutFields:
     vllm_importance_sampling_correction: bool = field(default=False, metadata={
         "help": "Weight each sampled token's KD and CE by min(π_trainer / π_engine, vllm_importance_sampling_clip_max) "
         "(detached, at temperature 1): corrects for rollouts sampled by an engine whose numerics differ from the "
-        "trainer's (bf16 kernels). The gap is logged either way (rollout_logprob_abs_diff)."})
+        "trainer's (bf16 kernels). The sampled-token objective's surrogate is weighted so too, its ratio then taken "
+        "against the trainer's own log-probs (as TRL's GRPO). The gap is logged either way "
+        "(rollout_logprob_abs_diff)."})
     vllm_importance_sampling_clip_max: float = field(default=3.0, metadata={
         "help": "Upper bound of the importance-sampling weights (TRL's GRPO name)."})
 

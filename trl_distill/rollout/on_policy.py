@@ -268,8 +268,8 @@ class CompletionSampler:
         held = inputs.pop(ROLLOUT, None)
         if held is None:
             return None
-        args = self.context.args
-        corrected = args.vllm_importance_sampling_correction and args.on_policy_objective != "sampled_token"
+        args = self.context.args  # (the sampled-token objective then takes ρ against the trainer: `ratio_reference`)
+        corrected = args.vllm_importance_sampling_correction
         return RolloutCorrection(held.value, args.vllm_importance_sampling_clip_max if corrected else None)
 
     def objective_job(self, inputs: dict, training: bool) -> SampledTokenJob | None:
