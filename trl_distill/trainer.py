@@ -24,6 +24,7 @@ from .loss.fused import features_loss
 from .loss.settings import LossSettings
 from .model.fused_forward import add_fused_distillation_forward
 from .model.logit_check import LogitPaths
+from .rollout.learning_rate import warn_learning_rate
 from .rollout.on_policy import (
     DATASET,
     CompletionSampler,
@@ -166,6 +167,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
                                         if sequence_parallel.sequence_parallel_size(args) > 1 else None)
         self.generated: dict[str, float] | None = None  # the generation eval's metrics, for the loop's output
         self.add_callback(TrainingBounds(self.context, self.teacher, self.metrics))
+        if self.accelerator.is_main_process:  # on-policy above the learning rate docs/on_policy.md recommends
+            warn_learning_rate(args, lora=hasattr(self.model, "peft_config"))
 
     @property
     def student(self) -> PreTrainedModel:
@@ -416,7 +419,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         self.metrics.record(kd, ce, target.shape[0], loss, on_policy=self.model.training and self.sampler.on_policy,
                             aux=aux)  # last: at a step's last micro-batch the guards read its checks and totals
         if return_outputs:
-            return loss, {"kd_loss": kd.detach(), "ce_loss": ce.detach(),
+            return loss, {"kd_loss" if sampled is None else "policy_loss": kd.detach(), "ce_loss": ce.detach(),
                           **({} if aux is None else {"aux_loss": aux.detach()})}
         return loss
 

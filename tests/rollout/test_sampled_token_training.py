@@ -1,6 +1,8 @@
 """The sampled-token objective in the trainer: on the student's own samples, the loss of every step is the formula
-on both models' own logits (float64), with a task reward from the rows' own columns and with two routed teachers;
-a served teacher is asked for the sampled tokens' log-probs only; what cannot combine is one line."""
+on both models' own logits (float64), with a task reward from the rows' own columns and with two routed teachers,
+logged as `policy_loss` (no `kd_loss`); a served teacher is asked for the sampled tokens' log-probs only; the
+rollout server's log-probs enter as the ratio or, corrected, as truncated importance weights; what cannot combine is
+one line."""
 
 import pytest
 import torch
@@ -55,7 +57,8 @@ def expected_loss(trainer, batch, teachers, rewards=None):
     return -advantage.mean()
 
 
-def test_each_step_is_the_formula_with_a_task_reward_and_two_routed_teachers(tiny_pair, second_teacher, tmp_path):
+def test_each_step_is_the_formula_with_a_task_reward_and_two_routed_teachers(tiny_pair, second_teacher, tmp_path,
+                                                                             caplog):
     trainer = trainer_for(tiny_pair, tmp_path, dataset(["a", "b", "b"]), max_steps=3,
                           teachers=[f"a={tiny_pair['teacher']}", f"b={second_teacher}"],
                           task_reward_funcs=["oracles:shared_characters_reward"], task_reward_weight=2.0, **SAMPLED)
@@ -67,7 +70,7 @@ def test_each_step_is_the_formula_with_a_task_reward_and_two_routed_teachers(tin
         with torch.no_grad():
             want = expected_loss(trainer, inputs, teachers, rewards)
         loss, outputs = compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
-        checks.append((outputs["kd_loss"].item(), want.item(), rewards, route))
+        checks.append((outputs["policy_loss"].item(), want.item(), rewards, route))
         return (loss, outputs) if return_outputs else loss
 
     trainer.compute_loss = checked
@@ -80,8 +83,18 @@ def test_each_step_is_the_formula_with_a_task_reward_and_two_routed_teachers(tin
     assert sorted({i for *_, route in checks for i in route}) == [0, 1]
     assert logged(history, "clip_ratio") == {1: 0.0, 2: 0.0, 3: 0.0}  # HF generate: the ratio is 1
     assert all(0 <= v <= 1 for v in logged(history, "task_reward").values())
-    for step, kd in logged(history, "kd_loss").items():
-        assert logged(history, "kd_loss/a")[step] + logged(history, "kd_loss/b")[step] == pytest.approx(kd, rel=1e-6)
+    # the surrogate logs as TRL GRPO's policy_loss, never as a divergence's kd_loss; loss is what is optimised
+    steps = [h for h in history if "loss" in h]
+    assert len(steps) == 3 and not [key for h in history for key in h if key.startswith("kd_loss")], history
+    assert [h["policy_loss"] for h in steps] == pytest.approx([kd for kd, *_ in checks], rel=1e-6)
+    assert [h["loss"] for h in steps] == pytest.approx([h["policy_loss"] for h in steps], rel=1e-4, abs=1e-6)
+    for h in steps:  # (alpha 1)
+        assert h["policy_loss/a"] + h["policy_loss/b"] == pytest.approx(h["policy_loss"], rel=1e-6)
+    warned = [r.getMessage() for r in caplog.records if r.name == "trl_distill.rollout.learning_rate"]
+    assert warned == [  # tiny_run_settings' 2e-3, built once: one line
+        "On-policy distillation (lmbda=1.0, sampled_token objective) at learning_rate=2e-3, above the 5e-5 "
+        "docs/on_policy.md recommends for full fine-tuning (LoRA 1e-4, full fine-tuning 5e-5): faster runs have "
+        "ended below their warm start or collapsed; lower --learning_rate."]
     assert shared_characters_reward([None], ["ab"], completion=["b c"]) == [0.5]
 
 
@@ -101,7 +114,7 @@ def test_a_served_teacher_is_asked_for_the_sampled_tokens_only(served, tmp_path)
         trainer.sampler.on_policy, trainer.current_gradient_accumulation_steps = True, 1
         _, out = trainer.compute_loss(trainer.model, sampled, return_outputs=True)
         want = expected_loss(trainer, sampled, [served["model"]])
-    assert out["kd_loss"].item() == pytest.approx(want.item(), rel=1e-3)
+    assert out["policy_loss"].item() == pytest.approx(want.item(), rel=1e-3)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -161,7 +174,7 @@ def test_a_teacher_of_another_tokenizer_routed_beside_one_of_the_students(tiny_p
             gap = torch.where(torch.isnan(teacher), 0.0, teacher - student)
             want = -(trainer.args.sampled_token_kl_coef * gap).mean()
         loss, outputs = compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
-        checks.append((outputs["kd_loss"].item(), want.item(), sorted(set(route.tolist()))))
+        checks.append((outputs["policy_loss"].item(), want.item(), sorted(set(route.tolist()))))
         return (loss, outputs) if return_outputs else loss
 
     trainer.compute_loss = checked
@@ -192,7 +205,7 @@ def test_a_teacher_of_another_tokenizer_scores_each_aligned_groups_text(tiny_pai
         trainer.model.train()
         trainer.sampler.on_policy, trainer.current_gradient_accumulation_steps = True, 1
         _, out = trainer.compute_loss(trainer.model, dict(batch), return_outputs=True)
-    assert out["kd_loss"].item() == pytest.approx(want.item(), rel=1e-5)
+    assert out["policy_loss"].item() == pytest.approx(want.item(), rel=1e-5)
     trainer.sampler.on_policy = False
     trainer.train()
     gaps = logged(trainer.state.log_history, "sampled_token_teacher_gap")
@@ -227,8 +240,16 @@ def test_the_ratio_is_against_the_rollout_servers_log_probs(rollout_server, tiny
         advantage = trainer.args.sampled_token_kl_coef * (teacher - student)
         ratio = torch.exp(student - (engine + shift).double())
         want = -torch.minimum(ratio * advantage, ratio.clamp(0.9, 1.3) * advantage).mean()
-        assert out["kd_loss"].item() == pytest.approx(want.item(), rel=1e-4)
+        assert out["policy_loss"].item() == pytest.approx(want.item(), rel=1e-4)
         assert 0 < trainer.sampler.objective["clipped"] < mask.sum()
+        # vllm_importance_sampling_correction, as TRL's GRPO: ρ against the trainer's own log-probs (1), each
+        # token's surrogate weighted by min(π / π_engine, clip_max) instead (the cap binding on half the tokens)
+        trainer.args.vllm_importance_sampling_correction, trainer.args.vllm_importance_sampling_clip_max = True, 1.2
+        with torch.no_grad():
+            _, out = trainer.compute_loss(trainer.model, dict(sampled), return_outputs=True)
+        weights = ratio.clamp(max=1.2)
+        assert 0 < int((weights == 1.2).sum()) < mask.sum()
+        assert out["policy_loss"].item() == pytest.approx(-(weights * advantage).mean().item(), rel=1e-4)
     finally:
         trainer.sampler.close()
 
@@ -262,7 +283,7 @@ def test_routed_teachers_on_the_servers_rollouts_keep_each_tokens_engine_log_pro
         advantage = trainer.args.sampled_token_kl_coef * (teacher - student)
         ratio = torch.exp(student - (engine + shift).double())
         want = -torch.minimum(ratio * advantage, ratio.clamp(0.9, 1.1) * advantage).mean()
-        assert out["kd_loss"].item() == pytest.approx(want.item(), rel=1e-4)
+        assert out["policy_loss"].item() == pytest.approx(want.item(), rel=1e-4)
     finally:
         trainer.sampler.close()
 

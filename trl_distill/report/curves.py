@@ -1,5 +1,6 @@
 """The report's picture: one PNG, a panel per question (is the loss falling, is the student agreeing with the
-teacher, is it getting closer, how does it do on held-out data), each drawn only when the run logged it."""
+teacher, is it getting closer, how does it do on held-out data), each drawn only when the run logged it. The
+sampled-token objective's surrogate (`policy_loss`) has a panel of its own, apart from the divergences."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ TITLE = "trl-distill report"  # the PNG's Title chunk: `write.write_report` know
 # (panel title, the logged series it draws, y label); a name ending in "*" draws every series it begins
 PANELS = (
     ("loss", ("loss", "kd_loss", "ce_loss"), "training loss"),
+    # the sampled-token objective's policy-gradient surrogate: no divergence, so not on the loss's axis
+    ("policy gradient", ("policy_loss", "policy_loss/*"), "sampled-token surrogate (not a divergence)"),
     ("agreement", ("top1_agreement", "eval_top1_agreement"), "top-1 agreement with the teacher"),
     ("KL", ("kl_teacher_student", "eval_kl_teacher_student"), "KL(teacher ‖ student), T = 1"),
     ("eval", ("eval_loss", "eval_kd_loss", "eval_ce_loss"), "evaluation loss"),

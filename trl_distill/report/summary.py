@@ -8,9 +8,9 @@ from .history import RunHistory
 HEADING = "# Distillation report: "  # the summary's first line: `write.write_report` knows its own by it
 
 # The metrics the table lists first, in this order (then any other logged one), and which way is better
-ORDER = ("loss", "kd_loss", "ce_loss", "top1_agreement", "kl_teacher_student", "teacher_ce", "student_entropy",
-         "teacher_entropy", "teacher_tail_mass", "aligned_token_share", "on_policy_fraction", "generated_length",
-         "generated_repetition_rate", "task_reward", "sampled_token_teacher_gap", "clip_ratio")
+ORDER = ("loss", "kd_loss", "policy_loss", "ce_loss", "top1_agreement", "kl_teacher_student", "teacher_ce",
+         "student_entropy", "teacher_entropy", "teacher_tail_mass", "aligned_token_share", "on_policy_fraction",
+         "generated_length", "generated_repetition_rate", "task_reward", "sampled_token_teacher_gap", "clip_ratio")
 HIGHER_IS_BETTER = {"top1_agreement", "eval_top1_agreement", "aligned_token_share", "task_reward",
                     "sampled_token_teacher_gap"}
 NOT_METRICS = {"learning_rate", "grad_norm", "total_flos"}

@@ -1,8 +1,9 @@
-"""`kd_loss` and `ce_loss` beside the Trainer's `loss`, reduced exactly like it (summed per optimizer step, averaged
-over ranks and steps between logs; per sample in evaluation); the fused loss's diagnostics (`loss.diagnostics`:
-agreement, KL, CEs, entropies), token means over every rank's loss tokens since the last log (over the whole set in
-evaluation); and the callback that starts their count with training (after a resume, at the checkpoint), checks
-the teacher at the first step and releases what the teacher holds at its end."""
+"""`kd_loss` (the sampled-token objective's surrogate: `policy_loss`) and `ce_loss` beside the Trainer's `loss`,
+reduced exactly like it (summed per optimizer step, averaged over ranks and steps between logs; per sample in
+evaluation); the fused loss's diagnostics (`loss.diagnostics`: agreement, KL, CEs, entropies), token means over every
+rank's loss tokens since the last log (over the whole set in evaluation); and the callback that starts their count
+with training (after a resume, at the checkpoint), checks the teacher at the first step and releases what the teacher
+holds at its end."""
 
 from __future__ import annotations
 
@@ -28,7 +29,10 @@ class DistillMetrics:
 
     def __init__(self, context: RunContext, guards: Guards, eval_values: Callable[[str], list]):
         self.context, self.guards, self.eval_values = context, guards, eval_values
-        self.sums = {"kd_loss": 0.0, "ce_loss": 0.0}  # (several teachers: and each one's kd_loss/NAME)
+        # the KD term's name in training logs: a divergence is `kd_loss`; the sampled-token objective's policy-gradient
+        # surrogate is no divergence, and logs under TRL GRPO's name for it
+        self.kd_name = "policy_loss" if context.args.on_policy_objective == "sampled_token" else "kd_loss"
+        self.sums = {self.kd_name: 0.0, "ce_loss": 0.0}  # (several teachers: and each one's part, kd_loss/NAME)
         self.teacher_tokens: dict[str, int] = {}  # routed teachers: each one's loss tokens since the last log
         self.teacher_windows: dict[str, LossDiagnostics] = {}  # several teachers: each one's diagnostics
         self.last_logged_step = 0
@@ -86,7 +90,7 @@ class DistillMetrics:
                     run.step == 0:  # the teacher check judges it on the data, not on samples
                 self.first_step.merge(pending)
         if run.training:
-            self.sums["kd_loss"] += kd.detach()
+            self.sums[self.kd_name] += kd.detach()
             self.sums["ce_loss"] += ce.detach()
             if aux is not None:
                 self.sums["aux_loss"] = self.sums.get("aux_loss", 0.0) + aux.detach()
@@ -112,7 +116,8 @@ class DistillMetrics:
             # (signed: the sampled-token objective's sum may be negative)
             share = torch.where(total != 0, part.to(kd.device) / torch.where(total != 0, total, 1.0),
                                 torch.zeros_like(total))
-            self.sums[f"kd_loss/{name}"] = self.sums.get(f"kd_loss/{name}", 0.0) + kd.detach() * share
+            key = f"{self.kd_name}/{name}"
+            self.sums[key] = self.sums.get(key, 0.0) + kd.detach() * share
             if tokens is not None:
                 self.teacher_tokens[name] = self.teacher_tokens.get(name, 0) + tokens
 
