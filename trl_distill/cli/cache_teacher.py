@@ -42,31 +42,44 @@ def main(argv: list[str]) -> None:
     from ..cache.writer import fill_teacher_cache, open_teacher_cache
     from ..config import DistillationConfig
     from ..teacher.resolve import check_cacheable_teacher
-    from .errors import errors_as_messages, faults_as_messages
+    from .errors import errors_as_messages, faults_as_messages, sigterm_raises
     from .train import build_trainer, check_student_eos, parse_recipe
 
     parser = TrlParser((ScriptArguments, DistillationConfig, ModelConfig, CacheArguments),
                        prog="trl-distill cache-teacher")
-    with errors_as_messages("trl-distill cache-teacher"):
-        script_args, training_args, model_args, cache_args = parse_recipe(parser, argv)
-        check_student_eos(script_args, training_args, model_args)
-        directory = training_args.teacher_cache
-        if not directory:
-            raise ValueError("Pass the directory to write the cache to with --teacher_cache DIR.")
-        check_cacheable_teacher(training_args)
-        if training_args.teacher_server:  # the server's top-k: as many as the cache keeps
-            training_args.teacher_server_top_k = cache_args.cache_top_k
-        training_args.teacher_cache = None  # this run has the live (or served) teacher; DIR is its output
-        training_args.eval_strategy = IntervalStrategy.NO  # only the train split is cached
-        training_args.output_dir = directory
-        trainer = build_trainer(script_args, training_args, model_args)
-        run = (trainer.context, trainer.teacher, trainer.train_dataset, directory)
-        manifest = open_teacher_cache(*run, top_k=cache_args.cache_top_k, shard_rows=cache_args.cache_shard_rows,
-                                      log_prob_dtype=cache_args.cache_log_prob_dtype, run_lock=trainer.run_lock)
-    with faults_as_messages("trl-distill cache-teacher"):
-        manifest = fill_teacher_cache(*run, manifest, batch_size=cache_args.cache_batch_size)
+    with sigterm_raises():
+        with errors_as_messages("trl-distill cache-teacher"):
+            script_args, training_args, model_args, cache_args = parse_recipe(parser, argv)
+            check_student_eos(script_args, training_args, model_args)
+            directory = training_args.teacher_cache
+            if not directory:
+                raise ValueError("Pass the directory to write the cache to with --teacher_cache DIR.")
+            check_cacheable_teacher(training_args)
+            if training_args.teacher_server:  # the server's top-k: as many as the cache keeps
+                training_args.teacher_server_top_k = cache_args.cache_top_k
+            training_args.teacher_cache = None  # this run has the live (or served) teacher; DIR is its output
+            training_args.eval_strategy = IntervalStrategy.NO  # only the train split is cached
+            training_args.output_dir = directory
+            trainer = build_trainer(script_args, training_args, model_args)
+            run = (trainer.context, trainer.teacher, trainer.train_dataset, directory)
+            manifest = open_teacher_cache(*run, top_k=cache_args.cache_top_k, shard_rows=cache_args.cache_shard_rows,
+                                          log_prob_dtype=cache_args.cache_log_prob_dtype, run_lock=trainer.run_lock)
+        kept = len(manifest.shards)  # complete shards an earlier run wrote
+        with faults_as_messages("trl-distill cache-teacher",
+                                kept=lambda: f"the complete shards in {directory} are kept: the same command goes on "
+                                "from them."):
+            manifest = fill_teacher_cache(*run, manifest, batch_size=cache_args.cache_batch_size)
     if trainer.accelerator.is_main_process:
-        tokens = sum(s["tokens"] for s in manifest.shards)
-        size = sum(s["bytes"] for s in manifest.shards)
-        print(f"Teacher cache written to {directory}: {manifest.num_rows} rows, {tokens} loss tokens, top-"
-              f"{manifest.top_k}, {size} bytes ({size / max(tokens, 1):.1f} per token)")
+        print(cache_line(manifest, directory, kept))
+
+
+def cache_line(manifest, directory: str, kept: int) -> str:
+    """The end of a `cache-teacher` run, said as it is: written, partly kept from an earlier run, or already whole."""
+    tokens = sum(s["tokens"] for s in manifest.shards)
+    size = sum(s["bytes"] for s in manifest.shards)
+    totals = (f"{manifest.num_rows} rows, {tokens} loss tokens, top-{manifest.top_k}, {size} bytes "
+              f"({size / max(tokens, 1):.1f} per token)")
+    if kept == manifest.num_shards:
+        return f"Teacher cache in {directory} was already complete, nothing written: {totals}"
+    resumed = f" ({kept} of its {manifest.num_shards} shards kept from an earlier run)" if kept else ""
+    return f"Teacher cache written to {directory}{resumed}: {totals}"

@@ -1,8 +1,8 @@
 """The command line's error boundaries: bad input found while parsing and setting up is one line, never a traceback
 (`errors_as_messages`), and so is an expected fault at any later time (`faults_as_messages`: an
-`errors.ExternalError`, a full disk, a peer process that stopped answering or went away, Ctrl-C); anything else
-raised once the work has started is our bug and keeps its traceback. Either way the process leaves without waiting
-for its peers at exit (`runtime.distributed.note_failure`)."""
+`errors.ExternalError`, a full disk, a peer process that stopped answering or went away, Ctrl-C, SIGTERM under
+`sigterm_raises`); anything else raised once the work has started is our bug and keeps its traceback. Either way the
+process leaves without waiting for its peers at exit (`runtime.distributed.note_failure`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ import errno
 import os
 import re
 import shutil
+import signal
 import sys
+import threading
+from collections.abc import Callable
 
 from ..errors import ExternalError, stderr_line
 
@@ -20,6 +23,51 @@ _DISK_FULL = ("no space left on device", "disk quota exceeded", "storagefull", "
 _WRITE_FAILED = ("file write failed", "unexpected pos")  # torch.save's writer, which does not say why
 # The names a path being written goes by in the frames that write it (open, torch.save, save_file, the Trainer)
 _PATH_NAMES = ("filename", "file", "f", "path", "save_path", "output_file", "save_directory", "output_dir")
+
+
+TERMINATED_STATUS = 128 + signal.SIGTERM  # 143: a shell's status for a process SIGTERM stopped
+RESUME = "resume with --resume_from_checkpoint true"
+
+
+class Terminated(BaseException):  # noqa: N818 (a signal, as KeyboardInterrupt: no `except Exception` swallows it)
+    """SIGTERM reached the process (a scheduler preempting the job, `kill`, a launcher stopping its ranks), raised in
+    its main thread by `sigterm_raises`."""
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """Inside the block SIGTERM raises `Terminated` in this process's main thread, so a boundary below says what the
+    run kept, instead of the process dying silently (status -15). Once: a second SIGTERM kills as before, and so
+    does one reaching a process forked inside (a DataLoader worker). The previous handler is back after the block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    owner = os.getpid()
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if os.getpid() != owner:
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def kept_checkpoint(output_dir: str) -> str:
+    """What a stopped run leaves to go on from: its newest complete checkpoint (the one `--resume_from_checkpoint
+    true` takes) and how to resume it, or that there is none yet."""
+    from ..runtime.checkpoints import checkpoints_newest_first, resumable
+
+    newest = next((c for c in checkpoints_newest_first(output_dir) if resumable(c)), None)
+    if newest is None:
+        return f"no complete checkpoint in {output_dir} yet: the same command starts again from step 0."
+    return (f"the last complete checkpoint is {newest} (step {newest.rsplit('-', 1)[1]}): {RESUME} (the same "
+            "command).")
 
 
 @contextlib.contextmanager
@@ -32,6 +80,10 @@ def errors_as_messages(prog: str = "trl-distill"):
     except (ValueError, TypeError, OSError, ExternalError) as error:
         _note_failure()
         _exit_with(prog, error, 2)
+    except Terminated:
+        _note_failure()
+        stderr_line(f"{prog}: terminated (SIGTERM) while setting up: stopped before the work started.")
+        sys.exit(TERMINATED_STATUS)
     except Exception as error:
         _note_failure()
         peer = _peer_failure(error)
@@ -41,13 +93,14 @@ def errors_as_messages(prog: str = "trl-distill"):
 
 
 @contextlib.contextmanager
-def faults_as_messages(prog: str = "trl-distill"):
+def faults_as_messages(prog: str = "trl-distill", kept: Callable[[], str] | None = None):
     """Around the work itself (training, saving, writing a cache): an `ExternalError`, a disk that is full or over
     quota (however the writing library reports it), a collective whose peer stopped answering within
-    `--ddp_timeout` or went away (`errors.PeerLostError`), or Ctrl-C is ``PROG: ...`` on one line on stderr of the
-    rank that met it and exit status 1 (130 for Ctrl-C); every other exception keeps its traceback. Nothing is
-    cleaned up here: checkpoints are marked complete only once whole (`runtime.checkpoints`), so the last complete
-    one is what a resume finds."""
+    `--ddp_timeout` or went away (`errors.PeerLostError`), Ctrl-C or SIGTERM (`Terminated`) is ``PROG: ...`` on one
+    line on stderr of the rank that met it and exit status 1 (130 for Ctrl-C, 143 for SIGTERM: its line ends with
+    `kept()`, what the run leaves to go on from); every other exception keeps its traceback. Nothing is cleaned up
+    here: checkpoints are marked complete only once whole (`runtime.checkpoints`), so the last complete one is what a
+    resume finds."""
     try:
         yield
     except ExternalError as error:
@@ -55,9 +108,13 @@ def faults_as_messages(prog: str = "trl-distill"):
         _exit_with(prog, error, 1)
     except KeyboardInterrupt:
         _note_failure()
-        stderr_line(f"{prog}: interrupted (Ctrl-C): stopped; the last complete checkpoint is kept (resume with "
-                    "--resume_from_checkpoint true).")
+        stderr_line(f"{prog}: interrupted (Ctrl-C): stopped; the last complete checkpoint is kept ({RESUME}).")
         sys.exit(130)
+    except Terminated:
+        _note_failure()
+        stderr_line(f"{prog}: terminated (SIGTERM): stopped; "
+                    f"{kept() if kept else f'the last complete checkpoint is kept ({RESUME}).'}")
+        sys.exit(TERMINATED_STATUS)
     except Exception as error:
         _note_failure()
         full = disk_full_message(error)

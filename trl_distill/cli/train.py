@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..report.history import write_run_record
-from .errors import errors_as_messages, faults_as_messages
+from .errors import errors_as_messages, faults_as_messages, kept_checkpoint, sigterm_raises
 
 
 def make_parser():
@@ -146,20 +146,41 @@ def check_student_eos(script_args, training_args, model_args) -> None:
                              script_args.dataset_train_split, training_args.eos_token)
 
 
+def saved_line(output_dir: str, teacher, alpha: float, lora: bool) -> str:
+    """What the run saved, said as it is: a distilled student, or with alpha 0 a student trained on the CE alone (the
+    SFT baseline when no `teacher` was loaded); a LoRA student's adapter (`lora`) as an adapter, with the way to a
+    whole model."""
+    from ..teacher.no_teacher import NoTeacher
+
+    if isinstance(teacher, NoTeacher):
+        what = "SFT baseline (alpha 0, no teacher)"
+    elif alpha == 0:
+        what = "Student trained on the cross-entropy alone (alpha 0: the teacher measured, not distilled)"
+    else:
+        what = "Distilled student"
+    report = f"its curves: trl-distill report {output_dir}"
+    if lora:  # `save_model` wrote the adapter only
+        return (f"{what}: its LoRA adapter saved to {output_dir} (a whole model: trl-distill merge --adapter "
+                f"{output_dir} --output DIR); {report}")
+    return f"{what} saved to {output_dir}; {report}"
+
+
 def main(argv: list[str]) -> None:
     """`trl-distill [flags]`: parse, set up (bad input: one line), then train and save (an expected fault: one line;
-    our own bugs keep their traceback)."""
-    with errors_as_messages():
-        script_args, training_args, model_args = parse_recipe(make_parser(), argv)
-        check_student_eos(script_args, training_args, model_args)
-        trainer = build_trainer(script_args, training_args, model_args)
-        resume = trainer.resume_point(training_args.resume_from_checkpoint)
-    with faults_as_messages():  # an expected fault from here on is one line too (a full disk, a dead server)
-        trainer.train(resume_from_checkpoint=resume)
-        trainer.save_model(training_args.output_dir)
-        trainer.save_state()  # trainer_state.json, and our run record beside it: what `trl-distill report` reads
-        if trainer.accelerator.is_main_process:
-            write_run_record(training_args.output_dir, trainer.run_record())
+    SIGTERM: one line naming the checkpoint to resume; our own bugs keep their traceback)."""
+    with sigterm_raises():
+        with errors_as_messages():
+            script_args, training_args, model_args = parse_recipe(make_parser(), argv)
+            check_student_eos(script_args, training_args, model_args)
+            trainer = build_trainer(script_args, training_args, model_args)
+            resume = trainer.resume_point(training_args.resume_from_checkpoint)
+        # an expected fault from here on is one line too (a full disk, a dead server, SIGTERM)
+        with faults_as_messages(kept=lambda: kept_checkpoint(training_args.output_dir)):
+            trainer.train(resume_from_checkpoint=resume)
+            trainer.save_model(training_args.output_dir)
+            trainer.save_state()  # trainer_state.json, and our run record beside it: what `trl-distill report` reads
+            if trainer.accelerator.is_main_process:
+                write_run_record(training_args.output_dir, trainer.run_record())
     if trainer.accelerator.is_main_process:  # global rank 0, the one that wrote it
-        print(f"Distilled student saved to {training_args.output_dir}; its curves: trl-distill report "
-              f"{training_args.output_dir}")
+        print(saved_line(training_args.output_dir, trainer.teacher, training_args.alpha,
+                         lora=hasattr(trainer.model, "peft_config")))
