@@ -122,7 +122,7 @@ def test_what_cannot_combine_is_one_line(tmp_path, overrides, message):
 
 
 def test_a_missing_column_and_the_self_teacher_are_one_line(tiny_pair, tmp_path):
-    with pytest.raises(ValueError, match=r"teacher_prompt='golden' names a column the train dataset does not have"):
+    with pytest.raises(ValueError, match=r"--teacher_prompt 'golden' names a column the train dataset does not have"):
         make(tiny_pair, tmp_path, teacher_prompt="golden")
     with pytest.raises(ValueError, match=r"or a served one, not 'self' or a cache"):
         make(tiny_pair, tmp_path, teacher="self", teacher_prompt=HINT,

@@ -28,7 +28,8 @@ from ..loss.signal import TeacherSignal
 from ..runtime.validation import check_teacher_finite
 from .base import TeacherBatch
 from .live import LiveTeacher
-from .privileged import teacher_prompt_of
+from .privileged import prompt_tokens, teacher_prompt_of
+from .teacher_prompts import check_teacher_prompts, splits
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,15 @@ class CrossTokenizerTeacher(LiveTeacher):
 
     # ---- Data ----
 
+    def route_rows(self, train_dataset, eval_dataset):
+        """With `teacher_prompt`: every raw row has a teacher prompt of at least one of the teacher's tokens, checked
+        before anything loads."""
+        if self.args.teacher_prompt is not None:
+            for split, dataset in splits(train_dataset, eval_dataset):
+                check_teacher_prompts(self.args.teacher_prompt, dataset, split,
+                                      lambda prompt: prompt_tokens(self.teacher_tokenizer, prompt))
+        return super().route_rows(train_dataset, eval_dataset)
+
     def prepare_dataset(self, dataset, name: str):
         """The prepared `dataset` with the teacher's ids and each row's group positions (empty where the row's
         completion cannot be aligned: counted and logged)."""
@@ -130,10 +140,11 @@ class CrossTokenizerTeacher(LiveTeacher):
             row = align_example(raw, self.student_tokenizer, self.teacher_tokenizer, teacher_raw)
             prepared = example["input_ids"]
             prompt = teacher_prompt_ids(teacher_raw, self.teacher_tokenizer)  # for sampled completions (lmbda > 0)
+            bound = None if limit is None else limit + self.prompt_excess(raw, prompt)
             if row is None or row.student_input_ids[: len(prepared)] != list(prepared[: len(row.student_input_ids)]):
-                return {TEACHER_IDS: row.teacher_input_ids[:limit] if row else [], STUDENT_POSITIONS: [],
+                return {TEACHER_IDS: row.teacher_input_ids[:bound] if row else [], STUDENT_POSITIONS: [],
                         TEACHER_POSITIONS: [], TEACHER_PROMPT: prompt}
-            teacher_ids = row.teacher_input_ids[:limit]
+            teacher_ids = row.teacher_input_ids[:bound]
             pairs = [(s, t) for s, t, g in zip(row.student_positions, row.teacher_positions, row.groups, strict=True)
                      if g.student[1] <= len(prepared) and g.teacher[1] <= len(teacher_ids)]  # both sides whole
             return {TEACHER_IDS: teacher_ids, STUDENT_POSITIONS: [s for s, _ in pairs],
@@ -146,6 +157,14 @@ class CrossTokenizerTeacher(LiveTeacher):
             logger.warning("trl_distill: %d of %d %s rows have no completion text both tokenizers can align; they "
                            "train on CE only.", unaligned, len(dataset), name)
         return dataset
+
+    def prompt_excess(self, raw: dict, teacher_prompt: list[int]) -> int:
+        """How many more tokens the teacher's row may hold than `max_length`: with `teacher_prompt`, its excess over
+        the teacher's tokens of the row's own prompt, so that a long teacher prompt leaves the completion the
+        room it has without one (the teacher reads its whole teacher prompt, as on the student's tokenizer)."""
+        if self.args.teacher_prompt is None:
+            return 0
+        return max(0, len(teacher_prompt) - len(teacher_prompt_ids(raw, self.teacher_tokenizer)))
 
     def teacher_example(self, raw: dict, split: str, index: int) -> dict:
         """What the teacher renders of row `index`: the row itself, or with `teacher_prompt` (privileged context) its
@@ -178,7 +197,8 @@ class CrossTokenizerTeacher(LiveTeacher):
             start, completion = (int(where[0]), labels[where].tolist()) if len(where) else (len(labels), [])
             teacher_ids, groups = align_sampled(completion, bool(completion) and completion[-1] == eos,
                                                 self.student_tokenizer, self.teacher_tokenizer) if prompt else ([], [])
-            ids = (list(prompt) + teacher_ids)[:limit] if limit else list(prompt) + teacher_ids
+            bound = limit + (len(prompt) if self.args.teacher_prompt is not None else 0) if limit else None
+            ids = (list(prompt) + teacher_ids)[:bound]  # (a teacher prompt leaves the sample max_length tokens)
             kept = [g for g in groups if start + g.student[0] > 0 and len(prompt) + g.teacher[0] > 0
                     and len(prompt) + g.teacher[1] <= len(ids)]
             examples.append({TEACHER_IDS: ids, STUDENT_POSITIONS: [start + g.student[0] - 1 for g in kept],

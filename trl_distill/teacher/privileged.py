@@ -12,21 +12,20 @@ teacher's; both take their loss rows row by row, in position order, so the n row
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from ..data.batch import Held
 from .base import TeacherBatch, TeacherSource
+from .teacher_prompts import FLAG, check_teacher_prompts, splits, template_fields
 
 TEACHER_PROMPT = "teacher_prompt_ids"  # the prepared column and the batch key: each row's teacher prompt, tokenized
-_FIELD = re.compile(r"{([^{}]+)}")
 
 
 def check_teacher_prompt_args(args) -> None:
     """What `teacher_prompt` cannot combine with, one line each as the config is built."""
     if args.teacher_prompt is None:
         return
+    template_fields(args.teacher_prompt)  # a malformed template: one line now, before anything loads
     refusals = [
         (args.packing or args.padding_free, "rows cannot be packed: set packing=False and padding_free=False"),
         (args.teachers is not None, "it takes one teacher (several teachers with their own prompts are not "
@@ -41,18 +40,23 @@ def check_teacher_prompt_args(args) -> None:
 
 
 def teacher_prompt_of(spec: str, row: dict, split: str, index: int):
-    """Row `index`'s teacher prompt: its column `spec`, or the template `spec` filled with its columns."""
-    if _FIELD.search(spec) is None:
-        if spec not in row:
-            raise ValueError(f"teacher_prompt={spec!r} names a column the {split} dataset does not have "
-                             f"({', '.join(row)}): add it, or give a template of its columns such as "
-                             "'{prompt} (answer: {answer})'.")
-        return row[spec]
-    missing = [name for name in _FIELD.findall(spec) if name not in row]
+    """Row `index`'s teacher prompt: its column `spec`, or the template `spec` filled with its columns (the raw rows
+    were checked by `teacher_prompts.check_teacher_prompts`; a column SFT's preparation dropped is one line here)."""
+    fields = template_fields(spec)
+    missing = [name for name in ([spec] if fields is None else fields) if name not in row]
     if missing:
-        raise ValueError(f"teacher_prompt's template {spec!r} reads {missing}, which row {index} of the "
-                         f"{split} dataset does not have ({', '.join(row)}).")
-    return spec.format(**{name: row[name] for name in _FIELD.findall(spec)})
+        raise ValueError(f"{FLAG} {spec!r} reads {missing}, which row {index} of the prepared {split} dataset does "
+                         f"not have ({', '.join(row)}): use prompt-completion rows that keep it.")
+    return row[spec] if fields is None else spec.format(**{name: row[name] for name in fields})
+
+
+def prompt_tokens(tokenizer, prompt) -> list[int]:
+    """`prompt` as the teacher reads it before a completion: a string as SFT tokenizes a prompt, a list of messages
+    with the chat template and its generation prompt."""
+    if isinstance(prompt, list):
+        return list(tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True,
+                                                  return_dict=False))
+    return tokenizer(text=prompt)["input_ids"]
 
 
 class PrivilegedTeacher(TeacherSource):
@@ -88,17 +92,22 @@ class PrivilegedTeacher(TeacherSource):
     def prompt_of(self, row: dict, split: str, index: int):
         return teacher_prompt_of(self.spec, row, split, index)
 
-    def tokenized(self, prompt) -> list[int]:
-        if isinstance(prompt, list):  # messages: as SFT tokenizes a conversational prompt
-            return list(self.tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True,
-                                                           return_dict=False))
-        return self.tokenizer(text=prompt)["input_ids"]
+    def route_rows(self, train_dataset, eval_dataset):
+        """Every raw row has a teacher prompt of at least one token, checked before anything loads."""
+        for split, dataset in splits(train_dataset, eval_dataset):
+            check_teacher_prompts(self.spec, dataset, split, lambda prompt: prompt_tokens(self.tokenizer, prompt))
+        return self.inner.route_rows(train_dataset, eval_dataset)
 
     def prepare_dataset(self, dataset, name: str):
         dataset = self.inner.prepare_dataset(dataset, name)
         if not hasattr(dataset, "add_column"):
             return dataset
-        ids = [self.tokenized(self.prompt_of(row, name, i)) for i, row in enumerate(dataset)]
+        ids = [prompt_tokens(self.tokenizer, self.prompt_of(row, name, i)) for i, row in enumerate(dataset)]
+        empty = [i for i, row in enumerate(ids) if not row]
+        if empty:  # (the raw rows were checked; a prompt whose text tokenizes to nothing)
+            raise ValueError(f"{FLAG} {self.spec!r}: the teacher prompt of row {empty[0]} of the prepared {name} "
+                             f"dataset ({len(empty)} of {len(ids)} rows) has no token, so the teacher has none before "
+                             "the completion to predict its first token from: give it some text.")
         return dataset.add_column(TEACHER_PROMPT, ids)
 
     def train_rows(self, dataset):
@@ -144,19 +153,21 @@ class PrivilegedTeacher(TeacherSource):
         self.inner.prepare(accelerator, device)
 
     def logit_candidates(self, model_inputs: dict, extras) -> list:
-        return self.inner.logit_candidates(model_inputs, None if extras is None else extras[1])
+        return self.inner.logit_candidates(model_inputs, None if extras is None else extras[-1])
 
     def pop_batch(self, inputs: dict):
         prompts = inputs.pop(TEACHER_PROMPT, None)
-        return prompts, self.inner.pop_batch(inputs)
+        return prompts, completion_starts(inputs["labels"]), self.inner.pop_batch(inputs)
 
     def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> TeacherBatch:
-        prompts, own = extras
-        starts = completion_starts_from_mask(mask, keep, model_inputs["input_ids"].shape[1])
+        prompts, starts, own = extras
         view = teacher_rows(model_inputs, prompts.value, self._pad_id(), starts)
         teacher_mask = torch.zeros_like(view["input_ids"], dtype=torch.bool)
         for b in range(mask.shape[0]):
             positions = keep[mask[b]] - starts[b] + len(prompts.value[b])
+            if len(positions) and not 0 <= int(positions.min()) <= int(positions.max()) < teacher_mask.shape[1]:
+                raise ValueError(f"{FLAG} {self.spec!r}: a row's teacher prompt has no token before its completion "
+                                 "(the teacher cannot predict the completion's first token): give it some text.")
             teacher_mask[b, positions.to(teacher_mask.device)] = True
         teacher_keep = teacher_mask.any(0).nonzero().squeeze(1)
         teacher_mask = teacher_mask[:, teacher_keep]
@@ -193,14 +204,13 @@ class ShiftedBatch(TeacherBatch):
         return self.inner.signal(self.mask.reshape(-1).nonzero().squeeze(1), n, settings)
 
 
-def completion_starts_from_mask(mask: torch.Tensor, keep: torch.Tensor, width: int) -> list[int]:
-    """Each row's first completion token: one past its first loss position (`mask` ``[B, K]`` over the kept
-    positions `keep`); a row without loss tokens: `width` (no completion)."""
-    starts = []
-    for row in mask:
-        hits = keep[row]
-        starts.append(int(hits[0]) + 1 if len(hits) else width)
-    return starts
+def completion_starts(labels: torch.Tensor) -> list[int]:
+    """Each row's first completion token: its first label (``labels`` ``[B, T]``, unshifted); a row without one: the
+    width. (Not one past its first loss position: a completion at position 0, after an empty prompt, is no loss
+    target of the student's, yet the teacher must read it.)"""
+    has = labels != -100
+    first = has.int().argmax(1)
+    return [int(f) if bool(h) else labels.shape[1] for f, h in zip(first, has.any(1), strict=True)]
 
 
 def teacher_rows(batch: dict, prompts: list[torch.Tensor], pad_id: int, starts: list[int] | None = None) -> dict:
@@ -209,8 +219,7 @@ def teacher_rows(batch: dict, prompts: list[torch.Tensor], pad_id: int, starts: 
     completion."""
     ids, attention = batch["input_ids"], batch.get("attention_mask")
     if starts is None:
-        labels = batch["labels"]
-        starts = [int((row != -100).nonzero()[0]) if bool((row != -100).any()) else ids.shape[1] for row in labels]
+        starts = completion_starts(batch["labels"])
     rows, lengths = [], []
     for b in range(ids.shape[0]):
         end = ids.shape[1] if attention is None else int(attention[b].sum())

@@ -245,8 +245,9 @@ def check_teacher_flags(args, use_peft: bool) -> None:
                          "(--alpha 0 trains on the cross-entropy alone, without a teacher).")
     for spec in specs:  # a cache or a server: no model is loaded here (with a server the name is the served one)
         if spec.kind == "self" and not use_peft:
-            raise ValueError("--teacher_model_name_or_path self (self-distillation) needs a LoRA student: add "
-                             "--use_peft.")
+            flag = "--teacher_model_name_or_path self" if args.teachers is None else f"--teachers {spec.name}=self"
+            raise ValueError(f"{flag} (self-distillation: the teacher is the student's own base with its LoRA "
+                             "adapters off) needs a LoRA student: add --use_peft.")
         if spec.kind == "model":
             check_model_path(spec.model, "--teacher_model_name_or_path" if args.teachers is None else
                              f"--teachers {spec.name}")
@@ -254,6 +255,10 @@ def check_teacher_flags(args, use_peft: bool) -> None:
 
 def check_cacheable_teacher(args) -> None:
     """`cache-teacher` needs a teacher model or server to write from."""
-    if args.teacher_model_name_or_path in (None, SELF) and not args.teacher_server:
+    if args.teacher_model_name_or_path == SELF and not args.teacher_server:
+        raise ValueError("--teacher_model_name_or_path self is a LoRA student's own base, which runs inside training: "
+                         "there is no teacher to cache. Train with it (--use_peft), or cache the base model itself "
+                         "(pass its path as --teacher_model_name_or_path).")
+    if args.teacher_model_name_or_path is None and not args.teacher_server:
         raise ValueError("Pass the teacher to cache with --teacher_model_name_or_path (or its vLLM server with "
                          "--teacher_server URL).")
