@@ -100,7 +100,7 @@ def _problem(spec: str, fields: list[str] | None, row: dict, empty_has_tokens: b
     else:
         for name in fields:
             value = row[name]
-            if value is None:
+            if value is None or value != value:  # (NaN: a missing number)
                 return f"has a null in the column {name!r}, which the template reads: fill it, or drop those rows"
             if isinstance(value, list | dict):
                 return (f"holds {_kind(value)} in the column {name!r}, and a template fills in text: give a string "
