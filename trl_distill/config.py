@@ -19,7 +19,7 @@ from .rollout.objective_fields import OnPolicyObjectiveFields, check_objective_a
 from .runtime.checkpoints import ReliabilityFields
 from .runtime.deepspeed_config import load_deepspeed_config
 from .runtime.distributed import prepare_cpu_distributed_state
-from .runtime.guards import GuardFields, check_guard_args
+from .runtime.guards import GuardFields, check_finite_settings, check_guard_args
 from .runtime.sequence_parallel import SequenceParallelFields, check_sequence_parallel_args
 from .runtime.validation import refuse_quantization_without_gpu
 from .teacher.fields import CacheFields, SeveralTeachersFields, TeacherFields
@@ -215,6 +215,7 @@ class DistillationConfig(ReliabilityFields, GenerationEvalFields, GuardFields, S
     _VALID_DICT_FIELDS = compat.valid_dict_fields(SFTConfig) + ["teacher_model_init_kwargs", "teacher_deepspeed"]
 
     def __post_init__(self):
+        check_finite_settings(self)  # a NaN coefficient, temperature, ... named here, not as a NaN loss
         if self.divergence not in LOSS_TYPES:
             raise ValueError(f"Unknown divergence {self.divergence!r}; choose one of {', '.join(LOSS_TYPES)}.")
         if not self.temperature > 0:

@@ -55,6 +55,26 @@ class GuardFields:
         "student's by more than this (nats): a wrong teacher, or data it does not know (not with alpha=0)."})
 
 
+# Float settings where inf means "no bound" (a timeout, a clip, a margin); every other one must be finite
+UNBOUNDED = ("teacher_server_timeout", "vllm_server_timeout", "vllm_importance_sampling_clip_max", "max_grad_norm",
+             "teacher_ce_margin")
+
+
+def check_finite_settings(args) -> None:
+    """Every float setting (ours and the Trainer's) a number, as the config is built: a NaN (or an inf, where it
+    bounds nothing) would only show later as a loss that is not finite, with the guard's advice for a diverging run
+    (lower the learning rate) instead of the setting's name."""
+    from dataclasses import fields
+
+    for item in fields(args):
+        value = getattr(args, item.name, None)
+        if not isinstance(value, float) or math.isfinite(value) or value == math.inf and item.name in UNBOUNDED:
+            continue
+        default = "unset" if item.default is None else f"{item.default}"
+        raise ValueError(f"{item.name} must be a finite number, got {value}: pass a number, or leave it at its "
+                         f"default ({default}).")
+
+
 def check_guard_args(args) -> None:
     """One clear error for guard settings that cannot work, as the config is built."""
     if not 0 <= args.collapse_max_repetition <= 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import struct
@@ -346,6 +347,10 @@ def check_router_aux_loss(student, enabled: bool, args) -> None:
     refusal = moe_aux_refusal(student)
     if refusal is not None:
         raise ValueError(refusal)
+    coefficient = getattr(student.config.get_text_config(), "router_aux_loss_coef", 0.0)
+    if isinstance(coefficient, float) and not math.isfinite(coefficient):  # the model's own (the flag is checked)
+        raise ValueError(f"The student's config.json sets router_aux_loss_coef={coefficient}: pass a finite "
+                         "--router_aux_loss_coef (e.g. 0.001), or 0.0 to train without the router loss.")
     if sequence_parallel_size(args) > 1:
         raise ValueError("A Mixture-of-Experts student's router load-balancing loss under sequence parallelism is not "
                          "supported: each rank would balance its own shard of the positions. Set "
