@@ -35,7 +35,7 @@ from .rollout.on_policy import (
 )
 from .rollout.on_policy import STUDENT as STUDENT_SAMPLES
 from .rollout.sampling import Sampling
-from .rollout.task_rewards import TaskColumnsCollator, row_columns
+from .rollout.task_rewards import TaskColumnsCollator, reward_columns, row_columns
 from .runtime import sequence_parallel, validation
 from .runtime.checkpoints import resume_point, run_record, save_complete_checkpoint, student_identity
 from .runtime.context import RunContext
@@ -136,7 +136,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
             # the collators, composed once: SFT's (or the caller's) innermost, then the teacher kind's, then
             # sequence parallelism's position ids outermost
             self.data_collator = sequence_parallel.collator(self.teacher.collator(self.data_collator), args)
-            task_columns = row_columns(self.train_dataset, self.teacher.columns) if args.task_reward_funcs else None
+            task_columns = reward_columns(args, self.train_dataset, self.teacher.columns) if args.task_reward_funcs \
+                else None
             if task_columns is not None:  # the rows' own columns travel with the batch, for the reward functions
                 self.data_collator = TaskColumnsCollator(self.data_collator, task_columns)
             if not streamed(self.train_dataset, self.eval_dataset):  # (accelerate dispatches a stream's batches
@@ -281,7 +282,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
             training = self.model.training
             self.model.eval()
             try:
-                self.generated = self.generation_evaluation(dataset).run(dataset)
+                self.generated = self.generation_evaluation(dataset).run(dataset, self.state.global_step,
+                                                                         self.is_in_train)
             finally:
                 self.model.train(training)
         return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
@@ -333,7 +335,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
                 raise ValueError(f"Generation-based evaluation (eval_reward_funcs) completes each eval row's prompt, "
                                  f"and {bare} of the {len(dataset)} prepared rows of the {name} split have none "
                                  "(language-modeling text): use a prompt-completion or conversational eval split.")
-            self.generation_evaluation(dataset).check(dataset)
+            self.generation_evaluation(dataset).check(dataset, name)
 
     # ---- The teacher once per optimizer step, over all its micro-batches (`teacher.step_pass`) ----
 

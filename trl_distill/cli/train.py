@@ -96,6 +96,7 @@ def load_named(script_args, training_args, name: str, paths: list[str]):
 def load_splits(script_args, training_args, name: str, what: str):
     """``(train, eval or None)`` of the dataset `name`, each split checked (`what`: the flag, in messages)."""
     from ..data.prepare import check_format, load_dataset_any
+    from ..evaluation.references import check_loaded_references
 
     dataset = load_dataset_any(name, script_args.dataset_config, what)
     if script_args.dataset_train_split not in dataset:
@@ -104,12 +105,12 @@ def load_splits(script_args, training_args, name: str, what: str):
     train = dataset[script_args.dataset_train_split]
     if training_args.dataset_text_field == "text":  # a custom text field is SFT's to check
         check_format(train, script_args.dataset_train_split)
-    if training_args.eval_strategy == "no":
-        return train, None
-    evaluation = dataset.get(script_args.dataset_test_split)
-    if evaluation is None:
+    evaluation = None if training_args.eval_strategy == "no" else dataset.get(script_args.dataset_test_split)
+    if evaluation is None and training_args.eval_strategy != "no":
         raise ValueError(f"eval_strategy is {training_args.eval_strategy!r} but the dataset has no "
                          f"{script_args.dataset_test_split!r} split; set --dataset_test_split or --eval_strategy no.")
+    check_loaded_references(training_args, name, {"train": (script_args.dataset_train_split, train),
+                                                  "eval": (script_args.dataset_test_split, evaluation)})
     return train, evaluation
 
 

@@ -20,7 +20,9 @@ import torch
 
 from ..loss.diagnostics import LossDiagnostics
 from ..rollout.sampling import Sampling
-from .verifiers import Verifier, answer_column, resolve_verifiers
+from .calls import Verifier, plain
+from .references import check_references
+from .verifiers import answer_column, resolve_verifiers
 
 logger = logging.getLogger("trl_distill")
 
@@ -85,23 +87,30 @@ class GenerationEvaluation:
         size = self.settings.batch_size
         return [range(start, min(start + size, rows)) for start in range(0, rows, size)]
 
-    def check(self, dataset) -> None:
-        """Before training (every rank alike): each verifier on the split's first rows, their reference completions
-        standing in for the student's, so a verifier that raises or miscounts is one line now, not at the first
-        evaluation."""
+    def check(self, dataset, name: str = "eval") -> None:
+        """Before training (every rank alike): the verifiers' reference columns hold values (`references`), and each
+        verifier scores the split's first rows, their reference completions standing in for the student's, so a
+        verifier that raises or miscounts is one line now, not at the first evaluation."""
+        split = "the eval split" if name == "eval" else f"the {name} eval split"
+        check_references(self.settings.verifiers, dataset, split, self.settings.max_prompts, warn=self.rank == 0)
         rows = dataset.select(range(min(2, len(dataset))))
         prompts, columns = self.prompts_and_columns(rows)
-        if "completion" in columns:
-            completions = list(columns["completion"])
+        if "completion" in columns:  # without the EOS text SFT's preparation appended (the student's are decoded
+            # without special tokens)
+            eos = self.tokenizer.eos_token
+            completions = [c[: -len(eos)] if eos and isinstance(c, str) and c.endswith(eos) else c
+                           for c in columns["completion"]]
         else:
             completions = ["" for _ in prompts]
             completions = [[{"role": "assistant", "content": ""}] for _ in prompts] if self.conversational \
                 else completions
         for verifier in self.settings.verifiers:
-            verifier.score(prompts, completions, columns, completion_ids=[[] for _ in prompts])
+            verifier.score(prompts, completions, columns, f"on the first rows of {split} (their reference "
+                           "completions standing in for the student's)", completion_ids=[[] for _ in prompts])
 
     def prompts_and_columns(self, rows) -> tuple[list, dict]:
-        columns = {name: rows[name] for name in rows.column_names}
+        """The rows' prompts and columns as TRL hands them to a reward function: plain lists."""
+        columns = {name: plain(rows[name]) for name in rows.column_names}
         prompts = columns.get("prompt")
         if prompts is None:  # conversational rows: the messages before the first assistant turn (what is completed)
             prompts = [before_first_answer(m) for m in columns["messages"]] if "messages" in columns \
@@ -117,8 +126,9 @@ class GenerationEvaluation:
         return texts, ids
 
     @torch.no_grad()
-    def run(self, dataset) -> dict[str, float]:
-        """Generate, verify and score over `dataset` (collective); the metrics, without the ``eval_`` prefix."""
+    def run(self, dataset, step: int = 0, running: bool = False) -> dict[str, float]:
+        """Generate, verify and score over `dataset` (collective) at optimizer step `step` (`running`: during
+        training); the metrics, without the ``eval_`` prefix."""
         settings, started = self.settings, time.perf_counter()
         rows = len(dataset) if settings.max_prompts is None else min(len(dataset), settings.max_prompts)
         batches = self.batches(rows)
@@ -148,7 +158,8 @@ class GenerationEvaluation:
                 sums[4] += sum(len(row) for row in ids)
                 sums[5] += sum(bool(row) and row[-1] == self.tokenizer.eos_token_id for row in ids)
                 for i, verifier in enumerate(settings.verifiers):
-                    scores = verifier.score(prompts, texts, columns, completion_ids=ids)
+                    scores = verifier.score(prompts, texts, columns, f"in the evaluation at step {step}", running,
+                                            completion_ids=ids)
                     valid = [s for s in scores if s is not None]
                     sums[len(_FIXED) + 2 * i] += sum(valid)
                     sums[len(_FIXED) + 2 * i + 1] += len(valid)

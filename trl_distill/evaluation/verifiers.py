@@ -22,18 +22,12 @@ import os
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+
+from .calls import Verifier, first_line, text_of
 
 BUILT_INS = ("exact_match", "regex_match", "last_number")
 ANSWER_COLUMNS = ("answer", "solution")  # the built-ins' answer column when `eval_answer_column` is not set
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
-
-
-def text_of(completion) -> str:
-    """A completion's text: the string itself, or a conversational completion's (TRL's) first message's content."""
-    if isinstance(completion, list):
-        return "".join(str(message.get("content", "")) for message in completion if isinstance(message, dict))
-    return str(completion)
 
 
 def find_last_number(text: str) -> float | None:
@@ -59,7 +53,8 @@ def _answers(columns: dict, answer_column: str, n: int) -> list:
 def exact_match(answer_column: str) -> Callable:
     def exact_match(prompts, completions, **columns) -> list[float]:
         answers = _answers(columns, answer_column, len(completions))
-        return [float(text_of(c).strip() == str(a).strip()) for c, a in zip(completions, answers, strict=True)]
+        return [None if a is None else float(text_of(c).strip() == str(a).strip())
+                for c, a in zip(completions, answers, strict=True)]
 
     return exact_match
 
@@ -71,6 +66,9 @@ def regex_match(answer_column: str, pattern: str) -> Callable:
         answers = _answers(columns, answer_column, len(completions))
         scores = []
         for completion, answer in zip(completions, answers, strict=True):
+            if answer is None:  # no reference: not judged (a null in the answer column)
+                scores.append(None)
+                continue
             found = compiled.search(text_of(completion))
             extracted = None if found is None else (found.group(1) if compiled.groups else found.group(0))
             scores.append(float(extracted is not None and extracted.strip() == str(answer).strip()))
@@ -86,60 +84,33 @@ def last_number_match(answer_column: str) -> Callable:
         for completion, answer in zip(completions, answers, strict=True):
             got = find_last_number(text_of(completion))
             want = answer if isinstance(answer, int | float) else find_last_number(str(answer))
+            if answer is None:
+                scores.append(None)
+                continue
             scores.append(float(got is not None and want is not None and math.isclose(got, float(want), abs_tol=1e-9)))
         return scores
 
     return last_number
 
 
-def load_function(path: str) -> Callable:
-    """A user verifier from ``module:function`` or ``module.function``: one clear error when it cannot be had."""
+def load_function(path: str, flag: str = "eval_reward_funcs") -> Callable:
+    """A user function from ``module:function`` or ``module.function``: one clear error naming `flag` (the setting
+    that named it) when it cannot be had."""
     module_name, sep, attribute = path.partition(":") if ":" in path else path.rpartition(".")
     if not sep or not module_name or not attribute:
-        raise ValueError(f"Unknown verifier {path!r} in eval_reward_funcs: use a built-in ({', '.join(BUILT_INS)}) "
+        kind = "task reward" if flag == "task_reward_funcs" else "verifier"
+        raise ValueError(f"Unknown {kind} {path!r} in --{flag}: use a built-in ({', '.join(BUILT_INS)}) "
                          "or a function as module:function (or TRL's module.function).")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # a module beside the script, as TRL's GRPO script finds it
     try:
         module = importlib.import_module(module_name)
     except Exception as error:  # noqa: BLE001 - any failure of the user's module is the user's, in one line
-        raise ValueError(f"eval_reward_funcs: cannot import {module_name!r} for {path!r}: "
-                         f"{type(error).__name__}: {error}") from None
+        raise ValueError(f"--{flag}: cannot import {module_name!r} for {path!r}: {first_line(error)}") from None
     function = getattr(module, attribute, None)
     if not callable(function):
-        raise ValueError(f"eval_reward_funcs: {module_name!r} has no function {attribute!r} (from {path!r}).")
+        raise ValueError(f"--{flag}: {module_name!r} has no function {attribute!r} (from {path!r}).")
     return function
-
-
-@dataclass(frozen=True)
-class Verifier:
-    """One named verifier and the function that scores a batch of completions."""
-
-    name: str
-    function: Callable
-
-    def score(self, prompts: list, completions: list, columns: dict, **extra) -> list[float | None]:
-        """Its scores of `completions`, checked: one number (or None) per completion, or one line naming it."""
-        try:
-            scores = self.function(prompts=prompts, completions=completions, **columns, **extra)
-        except Exception as error:  # noqa: BLE001 - a user function that raises: its name and the error, one line
-            raise ValueError(f"Verifier {self.name!r} (eval_reward_funcs) raised {type(error).__name__}: "
-                             f"{error}") from None
-        if scores is None or isinstance(scores, str | bytes) or not hasattr(scores, "__len__"):
-            raise ValueError(f"Verifier {self.name!r} (eval_reward_funcs) returned {type(scores).__name__}; it must "
-                             "return a list of floats (or None), one per completion.")
-        scores = list(scores)
-        if len(scores) != len(completions):
-            raise ValueError(f"Verifier {self.name!r} (eval_reward_funcs) returned {len(scores)} scores for "
-                             f"{len(completions)} completions: it must return one per completion.")
-        out = []
-        for score in scores:
-            if score is not None and (isinstance(score, bool) or not isinstance(score, int | float)
-                                      and not hasattr(score, "__float__")):
-                raise ValueError(f"Verifier {self.name!r} (eval_reward_funcs) returned {score!r}: scores must be "
-                                 "numbers (or None).")
-            out.append(None if score is None else float(score))
-        return out
 
 
 def verifier_name(spec: str) -> str:
@@ -147,26 +118,30 @@ def verifier_name(spec: str) -> str:
     return spec if spec in BUILT_INS else re.split(r"[:.]", spec)[-1]
 
 
-def resolve_verifiers(specs: list[str], answer_column: str, pattern: str | None) -> list[Verifier]:
-    """The verifiers `eval_reward_funcs` names, in order (the first decides pass@k)."""
+def resolve_verifiers(specs: list[str], answer_column: str, pattern: str | None,
+                      flag: str = "eval_reward_funcs") -> list[Verifier]:
+    """The functions `flag` (``eval_reward_funcs`` or ``task_reward_funcs``) names, in order (the first verifier
+    decides pass@k)."""
     verifiers = []
     for spec in specs:
+        answer = answer_column if spec in BUILT_INS else None
         if spec == "exact_match":
             function = exact_match(answer_column)
         elif spec == "regex_match":
             if not pattern:
-                raise ValueError("The regex_match verifier needs eval_answer_pattern (a regular expression; its first "
-                                 "group, if any, is the answer), e.g. --eval_answer_pattern '####\\s*(\\S+)'.")
+                raise ValueError("The regex_match verifier needs eval_answer_pattern (a regular expression; its "
+                                 f"first group, if any, is the answer) in --{flag}, e.g. --eval_answer_pattern "
+                                 "'####\\s*(\\S+)'.")
             function = regex_match(answer_column, pattern)
         elif spec == "last_number":
             function = last_number_match(answer_column)
         else:
-            function = load_function(spec)
-        verifiers.append(Verifier(verifier_name(spec), function))
+            function = load_function(spec, flag)
+        verifiers.append(Verifier(verifier_name(spec), function, flag, answer))
     names = [v.name for v in verifiers]
     if len(set(names)) != len(names):
-        raise ValueError(f"eval_reward_funcs names two verifiers alike ({', '.join(names)}): each is logged under "
-                         "its name; list each once.")
+        raise ValueError(f"--{flag} names two functions alike ({', '.join(names)}): each is logged under its name; "
+                         "list each once.")
     return verifiers
 
 

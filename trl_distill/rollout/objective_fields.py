@@ -66,4 +66,5 @@ def check_objective_args(args) -> None:
         raise ValueError(f"epsilon must be in [0, 1) and epsilon_high >= 0, got {args.epsilon} and "
                          f"{args.epsilon_high}.")
     if args.task_reward_funcs:
-        resolve_verifiers(args.task_reward_funcs, args.eval_answer_column or "answer", args.eval_answer_pattern)
+        resolve_verifiers(args.task_reward_funcs, args.eval_answer_column or "answer", args.eval_answer_pattern,
+                          "task_reward_funcs")

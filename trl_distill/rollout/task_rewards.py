@@ -9,6 +9,7 @@ import torch
 
 from ..data.batch import Held
 from ..evaluation.generation import before_first_answer
+from ..evaluation.references import check_references
 from ..evaluation.verifiers import answer_column, resolve_verifiers
 
 TASK_COLUMNS, TASK_REWARDS = "task_columns", "task_rewards"  # batch keys: the rows' columns, the samples' rewards
@@ -36,18 +37,31 @@ def row_columns(dataset, teacher_columns) -> list[str]:
     return [name for name in dataset.column_names if name not in MODEL_COLUMNS | set(teacher_columns)]
 
 
+def task_verifiers(args, columns: list[str]) -> list:
+    """The functions `task_reward_funcs` names, the built-ins comparing with the train dataset's answer column."""
+    column = answer_column(args.task_reward_funcs, args.eval_answer_column, columns,
+                           "task_reward_funcs compare with an answer column, and the train dataset")
+    return resolve_verifiers(args.task_reward_funcs, column or "answer", args.eval_answer_pattern, "task_reward_funcs")
+
+
+def reward_columns(args, dataset, teacher_columns) -> list[str]:
+    """The train rows' own columns the reward functions get, their references checked (`evaluation.references`)."""
+    columns = row_columns(dataset, teacher_columns)
+    check_references(task_verifiers(args, columns), dataset, "the train dataset", warn=args.process_index == 0)
+    return columns
+
+
 class TaskRewards:
     """`task_reward_funcs` of one run: the reward of each sampled completion, the functions' scores summed (a
-    None score counts 0)."""
+    None score counts 0, as TRL sums its rewards)."""
 
     def __init__(self, args, tokenizer, columns: list[str]):
-        column = answer_column(args.task_reward_funcs, args.eval_answer_column, columns,
-                               "task_reward_funcs compare with an answer column, and the train dataset")
-        self.verifiers = resolve_verifiers(args.task_reward_funcs, column or "answer", args.eval_answer_pattern)
+        self.verifiers = task_verifiers(args, columns)
         self.tokenizer = tokenizer
 
-    def score(self, columns: dict[str, list], completions: list[torch.Tensor]) -> torch.Tensor:
-        """``[B]`` rewards of the sampled `completions` of rows whose own columns are `columns`."""
+    def score(self, columns: dict[str, list], completions: list[torch.Tensor], step: int = 0) -> torch.Tensor:
+        """``[B]`` rewards of the sampled `completions` of rows whose own columns are `columns`, at optimizer step
+        `step`; a function that raises or returns other than a finite number (or None) per completion is one line."""
         eos = self.tokenizer.eos_token_id
         ids = [c.tolist() for c in completions]
         texts = [self.tokenizer.decode([t for t in row if t != eos], skip_special_tokens=True) for row in ids]
@@ -58,6 +72,7 @@ class TaskRewards:
             texts = [[{"role": "assistant", "content": text}] for text in texts]
         total = torch.zeros(len(completions), dtype=torch.float64)
         for verifier in self.verifiers:
-            scores = verifier.score(prompts or [None] * len(texts), texts, columns, completion_ids=ids)
+            scores = verifier.score(prompts or [None] * len(texts), texts, columns,
+                                    f"at step {step} (on the student's samples)", True, completion_ids=ids)
             total += torch.tensor([0.0 if s is None else float(s) for s in scores], dtype=torch.float64)
         return total
