@@ -4,6 +4,7 @@ several samples, the metrics during training and in the report, other teacher ki
 before anything trains. (Two processes log what one does: tests/runtime/test_distill_metrics.py.)"""
 
 import json
+import math
 
 import pytest
 import torch
@@ -30,28 +31,32 @@ def trainer_for(pair, tmp_path, name="run", eval_rows=10, train=None, evaluation
 
 
 @torch.no_grad()
-def reference(pair, trainer) -> dict:
+def reference(pair, trainer, teachers=None, route=None, weights=None) -> dict:
     """Greedy completions of the eval prompts from the student's own `generate` (batches of 4, left-padded), the
-    teacher's NLL of them from `teacher(...).logits`, and the share of even-length completions."""
+    teacher's NLL of them from `teacher(...).logits`, and the share of even-length completions. Several `teachers`
+    (directories): each row's own (`route`, its teacher's index), else their mixture with `weights`."""
     tok = AutoTokenizer.from_pretrained(pair["tokenizer"])
     student = AutoModelForCausalLM.from_pretrained(pair["student"]).eval()
-    teacher = AutoModelForCausalLM.from_pretrained(pair["teacher"]).eval()
+    models = [AutoModelForCausalLM.from_pretrained(t).eval() for t in teachers or [pair["teacher"]]]
+    weights = weights or [1.0] * len(models)
     rows = trainer.eval_dataset
     prompts = [torch.tensor(r["input_ids"][: [i for i, x in enumerate(r["labels"]) if x != -100][0]]) for r in rows]
     nll, tokens, even, ended, lengths = 0.0, 0, 0, 0, []
-    for start in range(0, len(prompts), 4):
+    for number, start in enumerate(range(0, len(prompts), 4)):
         batch = prompts[start: start + 4]
         width = max(len(p) for p in batch)
         ids = torch.stack([F.pad(p, (width - len(p), 0), value=tok.pad_token_id) for p in batch])
         mask = torch.stack([F.pad(torch.ones_like(p), (width - len(p), 0)) for p in batch])
         out = student.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
                                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[:, width:]
-        for prompt, row in zip(batch, out):
+        for index, (prompt, row) in enumerate(zip(batch, out), start=4 * number):
             row = row.tolist()
             completion = row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row
             full = torch.tensor([prompt.tolist() + completion])
-            logits = teacher(full).logits[0, len(prompt) - 1: -1]
-            nll += F.cross_entropy(logits, full[0, len(prompt):], reduction="sum").item()
+            logp = [F.log_softmax(m(full).logits[0, len(prompt) - 1: -1].double(), -1) for m in models]
+            logp = logp[route[index]] if route is not None else \
+                torch.logsumexp(torch.stack([lp + math.log(w) for lp, w in zip(logp, weights)]), 0)
+            nll -= logp.gather(1, full[0, len(prompt):, None]).sum().item()
             tokens += len(completion)
             lengths.append(len(completion))
             ended += completion[-1] == tok.eos_token_id
@@ -122,6 +127,24 @@ def test_without_a_teacher_the_verifiers_still_run(tiny_pair, tmp_path):
     """The SFT baseline (alpha 0, no teacher) is judged by its samples too; no teacher scores them."""
     metrics = trainer_for(tiny_pair, tmp_path, teacher_model_name_or_path=None, alpha=0.0).evaluate()
     assert "eval_teacher_nll" not in metrics and 0 < metrics["eval_pass@1"] < 1
+
+
+@pytest.mark.parametrize("combine", ["route", "mixture"])
+def test_several_teachers_score_the_samples_as_they_teach(tiny_pair, second_teacher, tmp_path, combine):
+    """Routed, each row's sample is scored by its own teacher; mixed, by the mixture: eval_teacher_nll equals the
+    NLL computed from both teachers' own logits."""
+    teachers, names = [tiny_pair["teacher"], second_teacher], ["a", "b", "b", "a", "b"]
+    data = with_answers(synthetic_prompt_completion(16))
+    data = data.add_column("teacher", [names[i % len(names)] for i in range(len(data))])
+    mixed = {} if combine == "route" else dict(teacher_combine="mixture", teacher_weights=[0.25, 0.75], temperature=1.0)
+    trainer = trainer_for(tiny_pair, tmp_path, train=data, evaluation=data.select(range(10)), **mixed,
+                          teacher_model_name_or_path=None, teachers=[f"a={teachers[0]}", f"b={teachers[1]}"])
+    metrics = trainer.evaluate()
+    route = [["a", "b"].index(name) for name in data.select(range(10))["teacher"]]
+    want = reference(tiny_pair, trainer, teachers, route=route if combine == "route" else None, weights=[0.25, 0.75])
+    assert metrics["eval_teacher_nll"] == pytest.approx(want["teacher_nll"], abs=1e-5)
+    alone = [reference(tiny_pair, trainer, [t])["teacher_nll"] for t in teachers]
+    assert abs(alone[0] - alone[1]) > 1e-3  # the two teachers score apart: the combination is what is measured
 
 
 def test_a_teacher_with_another_tokenizer_scores_the_samples(tiny_pair, other_teacher, tmp_path):
