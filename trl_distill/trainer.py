@@ -282,8 +282,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
             training = self.model.training
             self.model.eval()
             try:
-                self.generated = self.generation_evaluation(dataset).run(dataset, self.state.global_step,
-                                                                         self.is_in_train)
+                self.generated = self.generation_evaluation(dataset).run(dataset, self.state, self.is_in_train)
             finally:
                 self.model.train(training)
         return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
@@ -335,7 +334,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
                 raise ValueError(f"Generation-based evaluation (eval_reward_funcs) completes each eval row's prompt, "
                                  f"and {bare} of the {len(dataset)} prepared rows of the {name} split have none "
                                  "(language-modeling text): use a prompt-completion or conversational eval split.")
-            self.generation_evaluation(dataset).check(dataset, name)
+            self.generation_evaluation(dataset).check(dataset, name, self.state)
 
     # ---- The teacher once per optimizer step, over all its micro-batches (`teacher.step_pass`) ----
 

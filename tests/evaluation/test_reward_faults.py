@@ -4,17 +4,20 @@ is no silent pass@1 of 0), and whatever they do wrong one line naming the functi
 completion, with the checkpoints already written left complete."""
 
 import logging
+import math
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from datasets import Dataset
 from test_generation_eval import trainer_for
 from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig
 from trl_distill.cli import main
 from trl_distill.errors import ExternalError
+from trl_distill.evaluation.references import check_references
 from trl_distill.evaluation.verifiers import resolve_verifiers
 from trl_distill.rollout.task_rewards import TaskRewards, reward_columns
 from trl_distill.runtime.checkpoints import is_complete
@@ -106,6 +109,8 @@ def test_trl_style_rewards_get_plain_lists_as_verifiers_and_as_task_rewards(tiny
     assert 0 <= metrics["eval_pass@1"] <= 1 and "eval_rewards/format_reward/mean" in metrics
     assert len(trl_style.SEEN) >= 3  # the start-up check, then each eval batch (6 rows in batches of 4)
     for call in trl_style.SEEN:
+        state = call.pop("trainer_state")  # TRL's too: the Trainer's state, for rewards that change with the step
+        assert state is trainer.state
         assert all(type(value) is list for value in call.values()), {k: type(v) for k, v in call.items()}
         assert len({len(value) for value in call.values()}) == 1  # one entry per completion, each
     args = DistillationConfig(output_dir=str(tmp_path / "task"), report_to="none", **SAMPLED,
@@ -116,7 +121,7 @@ def test_trl_style_rewards_get_plain_lists_as_verifiers_and_as_task_rewards(tiny
     completions = [torch.tensor(tokenizer(text)["input_ids"]) for text in rows["completion"]]
     rewards = TaskRewards(args, tokenizer, rows.column_names).score(columns, completions, 1)
     assert rewards.tolist() == [1.0, 1.0, 1.0]  # each completion is its own answer
-    assert all(type(v) is list for v in trl_style.SEEN[-1].values())
+    assert all(type(v) is list for k, v in trl_style.SEEN[-1].items() if k != "trainer_state")
 
 
 # ---- What a function returns or raises: one line naming it, the flag, the step and the completion ----
@@ -167,7 +172,11 @@ def test_a_null_answer_gives_no_score_where_the_text_none_would_have_passed():
     (exact,) = resolve_verifiers(["exact_match"], "answer", None)
     (last,) = resolve_verifiers(["last_number"], "answer", None)
     assert exact.score(["p", "q"], ["None", "x"], {"answer": [None, "x"]}) == [None, 1.0]
-    assert last.score(["p", "q"], ["7", "7"], {"answer": [None, 7]}) == [None, 1.0]
+    assert last.score(["p", "q", "r"], ["7", "7", "nan"], {"answer": [None, 7, math.nan]}) == [None, 1.0, None]
+    numbers = Dataset.from_dict({"prompt": ["p", "q"], "answer": [math.nan, math.nan]})  # a CSV's empty numbers
+    with pytest.raises(ValueError, match="last_number compares with the 'answer' column, which is null in all 2 rows "
+                                         "of numbers.csv"):
+        check_references([last], numbers, "numbers.csv")
 
 
 def test_answers_null_in_every_row_are_refused_and_a_few_are_one_warning(tiny_pair, tmp_path, monkeypatch, caplog):

@@ -1,8 +1,9 @@
 """Calling a user's reward function as TRL's GRPOTrainer calls it, and its faults as one line.
 
 TRL hands a reward function plain lists: ``prompts``, ``completions``, ``completion_ids`` and every other dataset
-column by name, one entry per completion (`GRPOTrainer._calculate_rewards`). A verifier (`eval_reward_funcs`) and a
-task reward (`task_reward_funcs`) get the same, whatever the caller held (a `datasets.Column`, a tuple). What the
+column by name, one entry per completion, and the Trainer's ``trainer_state`` (`GRPOTrainer._calculate_rewards`). A
+verifier (`eval_reward_funcs`) and a task reward (`task_reward_funcs`) get the same, whatever the caller held (a
+`datasets.Column`, a tuple). What the
 function does wrong is a `RewardFunctionError` of one line naming it, its flag, when it ran and, where one row is to
 blame, that row's completion (shortened): at set-up `trl-distill` prints it and exits 2, during training 1
 (`cli.errors`), the last complete checkpoint kept.
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from ..errors import ExternalError
 
 # Keyword names TRL's reward call fills itself: a dataset column of one of these names is not passed again
-CALL_NAMES = ("prompts", "completions", "completion_ids")
+CALL_NAMES = ("prompts", "completions", "completion_ids", "trainer_state")
 KEPT = " The last complete checkpoint is kept: fix the function and resume with --resume_from_checkpoint true."
 
 

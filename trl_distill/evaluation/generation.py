@@ -87,7 +87,7 @@ class GenerationEvaluation:
         size = self.settings.batch_size
         return [range(start, min(start + size, rows)) for start in range(0, rows, size)]
 
-    def check(self, dataset, name: str = "eval") -> None:
+    def check(self, dataset, name: str = "eval", state=None) -> None:
         """Before training (every rank alike): the verifiers' reference columns hold values (`references`), and each
         verifier scores the split's first rows, their reference completions standing in for the student's, so a
         verifier that raises or miscounts is one line now, not at the first evaluation."""
@@ -106,7 +106,8 @@ class GenerationEvaluation:
                 else completions
         for verifier in self.settings.verifiers:
             verifier.score(prompts, completions, columns, f"on the first rows of {split} (their reference "
-                           "completions standing in for the student's)", completion_ids=[[] for _ in prompts])
+                           "completions standing in for the student's)", completion_ids=[[] for _ in prompts],
+                           trainer_state=state)
 
     def prompts_and_columns(self, rows) -> tuple[list, dict]:
         """The rows' prompts and columns as TRL hands them to a reward function: plain lists."""
@@ -126,10 +127,11 @@ class GenerationEvaluation:
         return texts, ids
 
     @torch.no_grad()
-    def run(self, dataset, step: int = 0, running: bool = False) -> dict[str, float]:
-        """Generate, verify and score over `dataset` (collective) at optimizer step `step` (`running`: during
-        training); the metrics, without the ``eval_`` prefix."""
+    def run(self, dataset, state=None, running: bool = False) -> dict[str, float]:
+        """Generate, verify and score over `dataset` (collective); `state`: the Trainer's (its step is named in a
+        verifier's fault; TRL's ``trainer_state``), `running`: during training. The metrics, without ``eval_``."""
         settings, started = self.settings, time.perf_counter()
+        step = 0 if state is None else state.global_step
         rows = len(dataset) if settings.max_prompts is None else min(len(dataset), settings.max_prompts)
         batches = self.batches(rows)
         n, names = settings.num_generations, [v.name for v in settings.verifiers]
@@ -159,7 +161,7 @@ class GenerationEvaluation:
                 sums[5] += sum(bool(row) and row[-1] == self.tokenizer.eos_token_id for row in ids)
                 for i, verifier in enumerate(settings.verifiers):
                     scores = verifier.score(prompts, texts, columns, f"in the evaluation at step {step}", running,
-                                            completion_ids=ids)
+                                            completion_ids=ids, trainer_state=state)
                     valid = [s for s in scores if s is not None]
                     sums[len(_FIXED) + 2 * i] += sum(valid)
                     sums[len(_FIXED) + 2 * i + 1] += len(valid)

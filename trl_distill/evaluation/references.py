@@ -32,8 +32,14 @@ def referenced_columns(verifier: Verifier, names: list[str]) -> list[str]:
 
 
 def null_count(dataset, column: str, rows: int) -> int:
-    """How many of the first `rows` rows of `dataset` hold None in `column` (read as Arrow, not row by row)."""
-    return dataset.select_columns([column]).with_format("arrow")[:rows][column].null_count
+    """How many of the first `rows` rows of `dataset` hold None in `column`, or NaN (a CSV's empty number), read as
+    Arrow, not row by row."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    values = dataset.select_columns([column]).with_format("arrow")[:rows][column]
+    nan = pc.sum(pc.is_nan(values)).as_py() if pa.types.is_floating(values.type) else 0
+    return values.null_count + (nan or 0)
 
 
 def check_references(verifiers: list[Verifier], dataset, where: str, rows: int | None = None,

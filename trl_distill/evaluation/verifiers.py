@@ -50,10 +50,15 @@ def _answers(columns: dict, answer_column: str, n: int) -> list:
     return values
 
 
+def missing(answer) -> bool:
+    """Whether an answer is absent: None (a null the loader filled in), or NaN (a CSV's empty number)."""
+    return answer is None or isinstance(answer, float) and math.isnan(answer)
+
+
 def exact_match(answer_column: str) -> Callable:
     def exact_match(prompts, completions, **columns) -> list[float]:
         answers = _answers(columns, answer_column, len(completions))
-        return [None if a is None else float(text_of(c).strip() == str(a).strip())
+        return [None if missing(a) else float(text_of(c).strip() == str(a).strip())
                 for c, a in zip(completions, answers, strict=True)]
 
     return exact_match
@@ -66,7 +71,7 @@ def regex_match(answer_column: str, pattern: str) -> Callable:
         answers = _answers(columns, answer_column, len(completions))
         scores = []
         for completion, answer in zip(completions, answers, strict=True):
-            if answer is None:  # no reference: not judged (a null in the answer column)
+            if missing(answer):  # no reference: not judged (a null in the answer column)
                 scores.append(None)
                 continue
             found = compiled.search(text_of(completion))
@@ -82,11 +87,11 @@ def last_number_match(answer_column: str) -> Callable:
         answers = _answers(columns, answer_column, len(completions))
         scores = []
         for completion, answer in zip(completions, answers, strict=True):
-            got = find_last_number(text_of(completion))
-            want = answer if isinstance(answer, int | float) else find_last_number(str(answer))
-            if answer is None:
+            if missing(answer):
                 scores.append(None)
                 continue
+            got = find_last_number(text_of(completion))
+            want = answer if isinstance(answer, int | float) else find_last_number(str(answer))
             scores.append(float(got is not None and want is not None and math.isclose(got, float(want), abs_tol=1e-9)))
         return scores
 

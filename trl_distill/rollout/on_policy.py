@@ -207,7 +207,7 @@ class CompletionSampler:
         columns = inputs.get(TASK_COLUMNS)
         inputs, completions = self.sample(source, run.prepare_inputs(inputs))
         if self.task_rewards is not None and source == STUDENT:  # each sample's task reward, from its row's columns
-            rewards = self.task_rewards.score(columns.value, completions, run.step + 1)
+            rewards = self.task_rewards.score(columns.value, completions, run.step + 1, run.state)
             inputs[TASK_REWARDS] = Held(rewards)
             self.objective["reward"] += float(rewards.sum())
             self.objective["rewarded"] += len(rewards)

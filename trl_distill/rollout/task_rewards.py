@@ -59,9 +59,11 @@ class TaskRewards:
         self.verifiers = task_verifiers(args, columns)
         self.tokenizer = tokenizer
 
-    def score(self, columns: dict[str, list], completions: list[torch.Tensor], step: int = 0) -> torch.Tensor:
+    def score(self, columns: dict[str, list], completions: list[torch.Tensor], step: int = 0,
+              state=None) -> torch.Tensor:
         """``[B]`` rewards of the sampled `completions` of rows whose own columns are `columns`, at optimizer step
-        `step`; a function that raises or returns other than a finite number (or None) per completion is one line."""
+        `step` (the Trainer's `state`: TRL's ``trainer_state``); a function that raises or returns other than a
+        finite number (or None) per completion is one line."""
         eos = self.tokenizer.eos_token_id
         ids = [c.tolist() for c in completions]
         texts = [self.tokenizer.decode([t for t in row if t != eos], skip_special_tokens=True) for row in ids]
@@ -73,6 +75,7 @@ class TaskRewards:
         total = torch.zeros(len(completions), dtype=torch.float64)
         for verifier in self.verifiers:
             scores = verifier.score(prompts or [None] * len(texts), texts, columns,
-                                    f"at step {step} (on the student's samples)", True, completion_ids=ids)
+                                    f"at step {step} (on the student's samples)", True, completion_ids=ids,
+                                    trainer_state=state)
             total += torch.tensor([0.0 if s is None else float(s) for s in scores], dtype=torch.float64)
         return total
