@@ -6,6 +6,9 @@
 - a teacher whose cross-entropy on the dataset's rows is worse than the student's before training, at the first
   step, is a warning
   (a wrong teacher, or data it was not trained for).
+
+Before any of them, a float setting that is NaN (or inf where it bounds nothing) is refused as the config is built
+(`check_finite_settings`), so that a non-finite loss is not the first sign of it.
 """
 
 from __future__ import annotations
