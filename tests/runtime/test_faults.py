@@ -6,6 +6,7 @@ stderr and exit status."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -180,7 +181,9 @@ def test_ctrl_c_on_one_rank_stops_both_at_once(tiny_pair, data, tmp_path):
     # Well under the 30 s exit barrier it skips. Not 10 s: under `make test`'s 2 xdist workers both cores are busy,
     # and rank 1 took 12.3 s once (a fresh clone, 398e9f1); with the barrier it would take 30 s or more
     assert ranks[1].ended - interrupted < 20 and ranks[0].ended - interrupted < 25
-    assert line_of(ranks[1], "trl-distill: interrupted (Ctrl-C): stopped; the last complete checkpoint is kept")
+    assert line_of(ranks[1], "trl-distill: interrupted (Ctrl-C): stopped; the last complete checkpoint is "
+                             f"{out}/checkpoint-1 (step 1): resume with --resume_from_checkpoint true (the same "
+                             "command).")
     assert "Rank 0 lost its connection to rank 1 (" in line_of(ranks[0])
     assert checkpoints(out)["checkpoint-1"]
 
@@ -215,6 +218,9 @@ def test_ctrl_c_to_torchrun_stops_every_rank_at_once(tiny_pair, data, tmp_path):
         (err,) = logs.glob(f"**/attempt_0/{k}/stderr.log")
         assert "Traceback" not in err.read_text(), err.read_text()[-3000:]
         ours = [line for line in err.read_text().splitlines() if line.startswith("trl-distill")]
-        assert ours == ["trl-distill: interrupted (Ctrl-C): stopped; the last complete checkpoint is kept (resume "
-                        "with --resume_from_checkpoint true)."], err.read_text()[-3000:]
+        assert len(ours) == 1, err.read_text()[-3000:]
+        named = re.fullmatch(r"trl-distill: interrupted \(Ctrl-C\): stopped; the last complete checkpoint is "
+                             rf"{re.escape(str(out))}/checkpoint-(\d+) \(step (\d+)\): resume with "
+                             r"--resume_from_checkpoint true \(the same command\)\.", ours[0])
+        assert named and named[1] == named[2] and checkpoints(out)[f"checkpoint-{named[1]}"], ours
     assert checkpoints(out)["checkpoint-1"]

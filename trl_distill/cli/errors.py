@@ -97,7 +97,7 @@ def faults_as_messages(prog: str = "trl-distill", kept: Callable[[], str] | None
     """Around the work itself (training, saving, writing a cache): an `ExternalError`, a disk that is full or over
     quota (however the writing library reports it), a collective whose peer stopped answering within
     `--ddp_timeout` or went away (`errors.PeerLostError`), Ctrl-C or SIGTERM (`Terminated`) is ``PROG: ...`` on one
-    line on stderr of the rank that met it and exit status 1 (130 for Ctrl-C, 143 for SIGTERM: its line ends with
+    line on stderr of the rank that met it and exit status 1 (130 for Ctrl-C, 143 for SIGTERM: their line ends with
     `kept()`, what the run leaves to go on from); every other exception keeps its traceback. Nothing is cleaned up
     here: checkpoints are marked complete only once whole (`runtime.checkpoints`), so the last complete one is what a
     resume finds."""
@@ -108,7 +108,8 @@ def faults_as_messages(prog: str = "trl-distill", kept: Callable[[], str] | None
         _exit_with(prog, error, 1)
     except KeyboardInterrupt:
         _note_failure()
-        stderr_line(f"{prog}: interrupted (Ctrl-C): stopped; the last complete checkpoint is kept ({RESUME}).")
+        stderr_line(f"{prog}: interrupted (Ctrl-C): stopped; "
+                    f"{kept() if kept else f'the last complete checkpoint is kept ({RESUME}).'}")
         sys.exit(130)
     except Terminated:
         _note_failure()
