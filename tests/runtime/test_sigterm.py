@@ -6,6 +6,7 @@ rank (`scripts.fault_worker.start_ranks`), sent SIGTERM once its first checkpoin
 import signal
 import time
 
+import pytest
 from scripts.fault_worker import start_ranks, stop_ranks, wait_ranks  # tests/ is on sys.path
 from test_faults import base, checkpoints, line_of  # the fault tests' run and checks (tests/runtime is on sys.path)
 
@@ -14,11 +15,16 @@ from trl_distill.runtime.checkpoints import MARKER, resolve_resume
 from trl_distill.testing import synthetic_prompt_completion
 
 
-def test_sigterm_names_the_checkpoint_to_resume_and_exits_143(tiny_pair, tmp_path):
+@pytest.mark.parametrize("jit", [False, True], ids=["plain", "enable_jit_checkpoint"])
+def test_sigterm_names_the_checkpoint_to_resume_and_exits_143(tiny_pair, tmp_path, jit):
+    """With `--enable_jit_checkpoint` the HF Trainer's own handler saves a checkpoint a few seconds later and stops
+    training as if it had ended: the same line then names that checkpoint, and the half-trained student is not saved
+    as the result ("Distilled student saved to", exit 0, before)."""
     data, out = tmp_path / "data.jsonl", tmp_path / "out"
     synthetic_prompt_completion(32).to_json(data)
-    ranks = start_ranks(base(tiny_pair, data, out, "--use_cpu", "--max_steps", "400", "--save_steps", "2"),
-                        tmp_path / "logs")
+    jit_flag = ["--enable_jit_checkpoint", "true"] if jit else []
+    ranks = start_ranks(base(tiny_pair, data, out, "--use_cpu", "--max_steps", "400", "--save_steps", "2",
+                             *jit_flag), tmp_path / "logs")
     try:
         deadline = time.monotonic() + 180
         while not (out / "checkpoint-2" / MARKER).exists():

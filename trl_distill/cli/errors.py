@@ -58,6 +58,23 @@ def sigterm_raises():
         signal.signal(signal.SIGTERM, previous)
 
 
+def note_sigterm() -> threading.Event:
+    """An event set when SIGTERM arrives, its current handler still called: the HF Trainer's own under
+    `--enable_jit_checkpoint`, which saves a checkpoint and stops training as if it had ended. The caller can then say
+    so instead of saving the half-trained student as the result."""
+    seen = threading.Event()
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        return seen
+
+    def handler(signum, frame):
+        seen.set()
+        previous(signum, frame)
+
+    signal.signal(signal.SIGTERM, handler)
+    return seen
+
+
 def kept_checkpoint(output_dir: str) -> str:
     """What a stopped run leaves to go on from: its newest complete checkpoint (the one `--resume_from_checkpoint
     true` takes) and how to resume it, or that there is none yet."""

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from ..report.history import write_run_record
-from .errors import errors_as_messages, faults_as_messages, kept_checkpoint, sigterm_raises
+from .errors import (
+    Terminated,
+    errors_as_messages,
+    faults_as_messages,
+    kept_checkpoint,
+    note_sigterm,
+    sigterm_raises,
+)
 
 
 def make_parser():
@@ -175,9 +182,12 @@ def main(argv: list[str]) -> None:
             check_student_eos(script_args, training_args, model_args)
             trainer = build_trainer(script_args, training_args, model_args)
             resume = trainer.resume_point(training_args.resume_from_checkpoint)
+            jit_stopped = note_sigterm()  # --enable_jit_checkpoint: the HF Trainer's handler saves and stops
         # an expected fault from here on is one line too (a full disk, a dead server, SIGTERM)
         with faults_as_messages(kept=lambda: kept_checkpoint(training_args.output_dir)):
             trainer.train(resume_from_checkpoint=resume)
+            if jit_stopped.is_set() and trainer.state.global_step < trainer.state.max_steps:
+                raise Terminated  # stopped early with its checkpoint saved: not a result to save as the student
             trainer.save_model(training_args.output_dir)
             trainer.save_state()  # trainer_state.json, and our run record beside it: what `trl-distill report` reads
             if trainer.accelerator.is_main_process:
