@@ -35,7 +35,7 @@ from .rollout.on_policy import (
 )
 from .rollout.on_policy import STUDENT as STUDENT_SAMPLES
 from .rollout.sampling import Sampling
-from .rollout.task_rewards import TaskColumnsCollator, reward_columns, row_columns
+from .rollout.task_rewards import TaskColumnsCollator, check_task_rewards, reward_columns, row_columns
 from .runtime import sequence_parallel, validation
 from .runtime.checkpoints import resume_point, run_record, save_complete_checkpoint, student_identity
 from .runtime.context import RunContext
@@ -145,6 +145,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
                 self.data_collator = LossTokensCollator(self.data_collator)  # where the loss tokens are, on the host
             check_dataset_not_empty(self.train_dataset, "train", "prepared", args.max_length)
             check_sampling_prompts(self.train_dataset, args)  # lmbda / seq_kd: every row needs a prompt
+            if task_columns is not None:  # each task reward tried on the first rows' reference completions
+                check_task_rewards(args, self.train_dataset, task_columns, self.processing_class, self.state)
             evaluation = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
             for name, dataset in evaluation.items():
                 check_dataset_not_empty(dataset, name, "prepared", args.max_length)

@@ -44,7 +44,7 @@ def accuracy_reward(prompts, completions, answer, **kwargs):
     return [float(text.endswith(reference)) for text, reference in zip(joined, answer)]
 '''
 # A verifier that reads the reference completions (numbers) and raises on anything else; a reward that fails at
-# its third call (step 3)
+# its fourth call (the set-up try on the reference completions, then steps 1, 2 and 3)
 FRAGILE = '''
 CALLS = []
 
@@ -55,7 +55,7 @@ def as_number(completions, answer, **kwargs):
 
 def flaky(prompts, completions, **kwargs):
     CALLS.append(len(completions))
-    if len(CALLS) == 3:
+    if len(CALLS) == 4:
         raise RuntimeError("the grading service is down")
     return [float(len(completion) % 3 == 0) for completion in completions]
 '''
@@ -111,6 +111,7 @@ def test_trl_style_rewards_get_plain_lists_as_verifiers_and_as_task_rewards(tiny
     for call in trl_style.SEEN:
         state = call.pop("trainer_state")  # TRL's too: the Trainer's state, for rewards that change with the step
         assert state is trainer.state
+        assert callable(call.pop("log_metric")) and callable(call.pop("log_extra"))  # and TRL's loggers
         assert all(type(value) is list for value in call.values()), {k: type(v) for k, v in call.items()}
         assert len({len(value) for value in call.values()}) == 1  # one entry per completion, each
     args = DistillationConfig(output_dir=str(tmp_path / "task"), report_to="none", **SAMPLED,
@@ -121,7 +122,8 @@ def test_trl_style_rewards_get_plain_lists_as_verifiers_and_as_task_rewards(tiny
     completions = [torch.tensor(tokenizer(text)["input_ids"]) for text in rows["completion"]]
     rewards = TaskRewards(args, tokenizer, rows.column_names).score(columns, completions, 1)
     assert rewards.tolist() == [1.0, 1.0, 1.0]  # each completion is its own answer
-    assert all(type(v) is list for k, v in trl_style.SEEN[-1].items() if k != "trainer_state")
+    assert all(type(v) is list for k, v in trl_style.SEEN[-1].items() if k not in ("trainer_state", "log_metric",
+                                                                                   "log_extra"))
 
 
 # ---- What a function returns or raises: one line naming it, the flag, the step and the completion ----

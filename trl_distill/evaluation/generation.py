@@ -20,7 +20,7 @@ import torch
 
 from ..loss.diagnostics import LossDiagnostics
 from ..rollout.sampling import Sampling
-from .calls import Verifier, plain
+from .calls import RewardLogs, Verifier, plain, text_of
 from .references import check_references
 from .verifiers import answer_column, resolve_verifiers
 
@@ -29,6 +29,13 @@ logger = logging.getLogger("trl_distill")
 # The per-rank sums an evaluation adds up (then reduced over ranks): prompts, Σ c/n (pass@1), Σ [c > 0] (pass@n),
 # completions, their tokens, those ended by EOS; then each verifier's score sum and count.
 _FIXED = ("prompts", "pass_1", "pass_n", "completions", "tokens", "ended")
+
+
+def gather_object(names: list) -> list:
+    """Every rank's `names`, as one list (collective)."""
+    from accelerate.utils import gather_object as gather
+
+    return gather(names)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -42,6 +49,30 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def before_first_answer(messages: list[dict]) -> list[dict]:
     roles = [m.get("role") for m in messages]
     return messages[: roles.index("assistant")] if "assistant" in roles else messages
+
+
+def first_answer(messages: list[dict]) -> str:
+    """A conversation's first assistant turn's text ("" when it has none)."""
+    answers = [m for m in messages if isinstance(m, dict) and m.get("role") == "assistant"]
+    return text_of([answers[0]]) if answers else ""
+
+
+def reference_completions(columns: dict, n: int, tokenizer, wrap: bool) -> tuple[list, list[list[int]]]:
+    """The `n` rows' own completions, standing in for the student's at a set-up check as the student's reach a reward
+    function (`wrap`: each as one assistant message), and their token ids (ending with EOS, as a sampled completion
+    that ended): the completion column's text without the EOS text SFT's preparation appended (the student's are
+    decoded without special tokens), or a conversation's first assistant turn ("" where a row has neither)."""
+    if "completion" in columns:
+        raw = columns["completion"]
+    elif "messages" in columns:
+        raw = [first_answer(m) if isinstance(m, list) else "" for m in columns["messages"]]
+    else:
+        raw = [""] * n
+    eos, eos_id = tokenizer.eos_token, tokenizer.eos_token_id
+    texts = ["" if c is None else text_of(c) for c in raw]
+    texts = [t[: -len(eos)] if eos and t.endswith(eos) else t for t in texts]
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + ([] if eos_id is None else [eos_id]) for t in texts]
+    return ([[{"role": "assistant", "content": t}] for t in texts] if wrap else texts), ids
 
 
 @dataclass
@@ -95,19 +126,11 @@ class GenerationEvaluation:
         check_references(self.settings.verifiers, dataset, split, self.settings.max_prompts, warn=self.rank == 0)
         rows = dataset.select(range(min(2, len(dataset))))
         prompts, columns = self.prompts_and_columns(rows)
-        if "completion" in columns:  # without the EOS text SFT's preparation appended (the student's are decoded
-            # without special tokens)
-            eos = self.tokenizer.eos_token
-            completions = [c[: -len(eos)] if eos and isinstance(c, str) and c.endswith(eos) else c
-                           for c in columns["completion"]]
-        else:
-            completions = ["" for _ in prompts]
-            completions = [[{"role": "assistant", "content": ""}] for _ in prompts] if self.conversational \
-                else completions
-        for verifier in self.settings.verifiers:
+        completions, ids = reference_completions(columns, len(prompts), self.tokenizer, self.conversational)
+        for verifier in self.settings.verifiers:  # (what they log here is of the references: dropped)
             verifier.score(prompts, completions, columns, f"on the first rows of {split} (their reference "
-                           "completions standing in for the student's)", completion_ids=[[] for _ in prompts],
-                           trainer_state=state)
+                           "completions standing in for the student's)", completion_ids=ids, trainer_state=state,
+                           **RewardLogs().kwargs())
 
     def prompts_and_columns(self, rows) -> tuple[list, dict]:
         """The rows' prompts and columns as TRL hands them to a reward function: plain lists."""
@@ -137,6 +160,7 @@ class GenerationEvaluation:
         n, names = settings.num_generations, [v.name for v in settings.verifiers]
         sums = torch.zeros(len(_FIXED) + 2 * len(names), dtype=torch.float64)
         scored = LossDiagnostics("cpu")
+        logged = RewardLogs()  # what the verifiers log (TRL's log_metric), as eval metrics
         for round_ in range(math.ceil(len(batches) / self.world) if batches else 0):
             index = round_ * self.world + self.rank
             counted = index < len(batches)
@@ -161,7 +185,7 @@ class GenerationEvaluation:
                 sums[5] += sum(bool(row) and row[-1] == self.tokenizer.eos_token_id for row in ids)
                 for i, verifier in enumerate(settings.verifiers):
                     scores = verifier.score(prompts, texts, columns, f"in the evaluation at step {step}", running,
-                                            completion_ids=ids, trainer_state=state)
+                                            completion_ids=ids, trainer_state=state, **logged.kwargs())
                     valid = [s for s in scores if s is not None]
                     sums[len(_FIXED) + 2 * i] += sum(valid)
                     sums[len(_FIXED) + 2 * i + 1] += len(valid)
@@ -186,5 +210,6 @@ class GenerationEvaluation:
         if "teacher_ce" in teacher:
             metrics["teacher_nll"] = teacher["teacher_ce"]
         metrics["generation_prompts"] = fixed[0]
+        logged.take(metrics, gather_object if self.world > 1 else None, self.reduce)
         metrics["generation_runtime"] = time.perf_counter() - started
         return metrics

@@ -312,6 +312,8 @@ class CompletionSampler:
             logs["clip_ratio"] = clipped / scored
         if rewarded:
             logs["task_reward"] = reward / rewarded
+        if self.task_rewards is not None:  # what the reward functions logged (TRL's log_metric)
+            self.task_rewards.log_into(logs, accelerator, device)
         logs["on_policy_fraction"] = on_policy / max(micro_steps, 1)
         logs["generated_length"] = tokens / max(rows, 1)
         if rows:

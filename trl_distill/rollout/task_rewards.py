@@ -1,6 +1,10 @@
 """The task reward of the student's own samples (`task_reward_funcs`, the sampled-token objective): each train row's
 columns travel with its batch (`TaskColumnsCollator`), and the reward functions score each sampled completion with
-them, as TRL's GRPO calls its reward functions (``prompts``, ``completions``, every other column by name).
+them, as TRL's GRPO calls its reward functions (``prompts``, ``completions``, every other column by name,
+``completion_ids``, ``trainer_state``, ``log_metric`` and ``log_extra``: `evaluation.calls`). Before anything trains,
+each function is tried on the first train rows, their reference completions standing in for the student's samples
+(`check_task_rewards`): one that cannot be called so, raises or returns no score per completion is one line then, not
+at step 1.
 """
 
 from __future__ import annotations
@@ -8,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..data.batch import Held
-from ..evaluation.generation import before_first_answer
+from ..evaluation.calls import RewardLogs, plain
+from ..evaluation.generation import before_first_answer, gather_object, reference_completions
 from ..evaluation.references import check_references
 from ..evaluation.verifiers import answer_column, resolve_verifiers
 
@@ -51,13 +56,43 @@ def reward_columns(args, dataset, teacher_columns) -> list[str]:
     return columns
 
 
+def reward_inputs(columns: dict) -> tuple[list | None, bool]:
+    """The rows' prompts as a reward function gets them (a conversation's: its turns before the first answer; None
+    for rows without any), and whether the rows are conversations (their completions then one assistant message)."""
+    prompts = columns.get("prompt")
+    conversational = prompts is None and "messages" in columns
+    if conversational:
+        prompts = [before_first_answer(messages) for messages in columns["messages"]]
+    return prompts, conversational
+
+
+def check_task_rewards(args, dataset, columns: list[str], processing_class, state=None) -> None:
+    """Before anything trains (every rank alike): each `task_reward_funcs` function scores the first two prepared
+    train rows, called as in training (their prompts, their reference completions standing in for the student's
+    samples, the rows' `columns`), so a function with another signature, one that raises on every text or returns no
+    score per completion is one line naming it and its flag now, not at step 1. (A streamed dataset is not read
+    ahead.)"""
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "select") or not len(dataset):
+        return
+    rows = dataset.select(range(min(2, len(dataset))))
+    values = {name: plain(rows[name]) for name in columns if name in rows.column_names}
+    prompts, conversational = reward_inputs(values)
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    completions, ids = reference_completions(values, len(rows), tokenizer, conversational)
+    for verifier in task_verifiers(args, columns):  # (what they log here is of the references: dropped)
+        verifier.score(prompts or [None] * len(rows), completions, values, "on the first rows of the train dataset "
+                       "(their reference completions standing in for the student's samples)", completion_ids=ids,
+                       trainer_state=state, **RewardLogs().kwargs())
+
+
 class TaskRewards:
     """`task_reward_funcs` of one run: the reward of each sampled completion, the functions' scores summed (a
-    None score counts 0, as TRL sums its rewards)."""
+    None score counts 0, as TRL sums its rewards); what they log with TRL's ``log_metric``, logged beside."""
 
     def __init__(self, args, tokenizer, columns: list[str]):
         self.verifiers = task_verifiers(args, columns)
         self.tokenizer = tokenizer
+        self.logged = RewardLogs()
 
     def score(self, columns: dict[str, list], completions: list[torch.Tensor], step: int = 0,
               state=None) -> torch.Tensor:
@@ -67,15 +102,22 @@ class TaskRewards:
         eos = self.tokenizer.eos_token_id
         ids = [c.tolist() for c in completions]
         texts = [self.tokenizer.decode([t for t in row if t != eos], skip_special_tokens=True) for row in ids]
-        prompts = columns.get("prompt")
-        conversational = prompts is None and "messages" in columns
+        prompts, conversational = reward_inputs(columns)
         if conversational:
-            prompts = [before_first_answer(messages) for messages in columns["messages"]]
             texts = [[{"role": "assistant", "content": text}] for text in texts]
         total = torch.zeros(len(completions), dtype=torch.float64)
         for verifier in self.verifiers:
             scores = verifier.score(prompts or [None] * len(texts), texts, columns,
                                     f"at step {step} (on the student's samples)", True, completion_ids=ids,
-                                    trainer_state=state)
+                                    trainer_state=state, **self.logged.kwargs())
             total += torch.tensor([0.0 if s is None else float(s) for s in scores], dtype=torch.float64)
         return total
+
+    def log_into(self, logs: dict, accelerator, device) -> None:
+        """Add the means of what the functions logged (``log_metric``) since the last log, over every rank's calls
+        (collective)."""
+        if accelerator.num_processes == 1:
+            self.logged.take(logs)
+            return
+        self.logged.take(logs, gather_object,
+                         lambda totals: accelerator.reduce(totals.to(device), reduction="sum").cpu())
