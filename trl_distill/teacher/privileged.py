@@ -16,7 +16,7 @@ import torch
 
 from ..data.batch import Held
 from .base import TeacherBatch, TeacherSource
-from .teacher_prompts import FLAG, check_teacher_prompts, splits, template_fields
+from .teacher_prompts import FLAG, check_teacher_prompts, prompt_problem, splits, template_fields
 
 TEACHER_PROMPT = "teacher_prompt_ids"  # the prepared column and the batch key: each row's teacher prompt, tokenized
 
@@ -57,6 +57,47 @@ def prompt_tokens(tokenizer, prompt) -> list[int]:
         return list(tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True,
                                                   return_dict=False))
     return tokenizer(text=prompt)["input_ids"]
+
+
+def several_stretches(mask) -> bool:
+    """Whether a prepared row's completion mask has loss tokens in more than one stretch."""
+    mask = list(mask or ())
+    return 1 in mask and 0 in mask[mask.index(1):]
+
+
+def stretched(row: str) -> str:
+    return (f"teacher_prompt replaces each row's prompt, so each row's loss must be its one completion to the end; "
+            f"{row} has loss tokens in several stretches (a conversation with several assistant turns): use "
+            "prompt-completion rows.")
+
+
+class StreamedPrompts:
+    """The teacher prompt ids of a streamed dataset's rows (`IterableDataset.map`, with indices), each checked as it
+    is read, as `check_teacher_prompts`, `prepare_dataset` and `train_rows` check a map-style dataset's rows ahead:
+    the same one line, naming the row of the stream."""
+
+    def __init__(self, spec: str, tokenizer, split: str):
+        self.spec, self.tokenizer, self.split = spec, tokenizer, split
+        self.fields = template_fields(spec)
+        self.empty_has_tokens = bool(prompt_tokens(tokenizer, ""))
+
+    def __call__(self, row: dict, index: int) -> dict:
+        wanted = [self.spec] if self.fields is None else self.fields
+        if any(name not in row for name in wanted):  # a column SFT's preparation dropped: one line
+            teacher_prompt_of(self.spec, row, f"streamed {self.split}", index)
+        why = prompt_problem(self.spec, self.fields, {name: row[name] for name in wanted}, self.empty_has_tokens)
+        ids = None
+        if why is None:
+            ids = prompt_tokens(self.tokenizer, teacher_prompt_of(self.spec, row, self.split, index))
+            if not ids:
+                why = ("gives a teacher prompt of no token, so the teacher has none before the completion to predict "
+                       "its first token from: give it some text")
+        where = f"row {index} of the streamed {self.split} dataset"
+        if why is not None:
+            raise ValueError(f"{FLAG} {self.spec!r}: {where} {why}.")
+        if self.split == "train" and several_stretches(row.get("completion_mask")):
+            raise ValueError(stretched(where))
+        return {TEACHER_PROMPT: ids}
 
 
 class PrivilegedTeacher(TeacherSource):
@@ -100,6 +141,9 @@ class PrivilegedTeacher(TeacherSource):
 
     def prepare_dataset(self, dataset, name: str):
         dataset = self.inner.prepare_dataset(dataset, name)
+        if hasattr(dataset, "map") and not hasattr(dataset, "__len__"):  # a `datasets.IterableDataset` (streaming):
+            # each row's as it is read, never the whole stream ahead
+            return dataset.map(StreamedPrompts(self.spec, self.tokenizer, name), with_indices=True)
         if not hasattr(dataset, "add_column"):
             return dataset
         ids = [prompt_tokens(self.tokenizer, self.prompt_of(row, name, i)) for i, row in enumerate(dataset)]
@@ -111,13 +155,12 @@ class PrivilegedTeacher(TeacherSource):
         return dataset.add_column(TEACHER_PROMPT, ids)
 
     def train_rows(self, dataset):
-        """Each prepared row's loss must be its whole completion (prompt-completion rows, unpacked)."""
-        if "completion_mask" in getattr(dataset, "column_names", ()):
+        """Each prepared row's loss must be its whole completion (prompt-completion rows, unpacked). (A stream's rows
+        are checked as they are read: `StreamedPrompts`.)"""
+        if "completion_mask" in (getattr(dataset, "column_names", None) or ()):
             for i, mask in enumerate(dataset["completion_mask"]):
-                if 1 in mask and 0 in mask[mask.index(1):]:
-                    raise ValueError(f"teacher_prompt replaces each row's prompt, so each row's loss must be its one "
-                                     f"completion to the end; row {i} has loss tokens in several stretches (a "
-                                     "conversation with several assistant turns): use prompt-completion rows.")
+                if several_stretches(mask):
+                    raise ValueError(stretched(f"row {i}"))
         return self.inner.train_rows(dataset)
 
     # ---- Once the trainer exists ----

@@ -1,10 +1,11 @@
 """`teacher_prompt`, read and checked: a column name, or a template of the row's columns (``{column}`` fields).
 
 Its syntax is checked as the config is built (`template_fields`), each row's value on the raw datasets before
-anything loads (`check_teacher_prompts`), one line each naming ``--teacher_prompt``, the row and the fix: a column or
-field the dataset lacks, a null, a value that is no prompt, a template a row cannot fill, and an empty teacher prompt
-(no token before the completion: the teacher would have no position to predict its first token from, and every
-position would pair with the student's next one).
+anything loads (`check_teacher_prompts`; a streamed dataset's rows as they are read, `privileged.StreamedPrompts`),
+one line each naming ``--teacher_prompt``, the row and the fix: a column or field the dataset lacks, a null, a value
+that is no prompt, a template a row cannot fill, and an empty teacher prompt (no token before the completion: the
+teacher would have no position to predict its first token from, and every position would pair with the student's
+next one).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def check_teacher_prompts(spec: str, dataset, split: str, tokens) -> None:
     empty_has_tokens = bool(tokens(""))
     bad = []  # (row, why) of each row without a usable teacher prompt
     for index, row in enumerate(zip(*values, strict=True)):
-        why = _problem(spec, fields, dict(zip(wanted, row, strict=True)), empty_has_tokens)
+        why = prompt_problem(spec, fields, dict(zip(wanted, row, strict=True)), empty_has_tokens)
         if why is not None:
             bad.append((index, why))
     if bad:
@@ -84,8 +85,9 @@ def check_teacher_prompts(spec: str, dataset, split: str, tokens) -> None:
         raise ValueError(f"{FLAG} {spec!r}: row {index} of the {split} dataset{more} {why}.")
 
 
-def _problem(spec: str, fields: list[str] | None, row: dict, empty_has_tokens: bool) -> str | None:
-    """What keeps `row` from a teacher prompt, as the end of a sentence naming the fix; None when nothing does."""
+def prompt_problem(spec: str, fields: list[str] | None, row: dict, empty_has_tokens: bool) -> str | None:
+    """What keeps `row` (its values of the columns `spec` reads; `fields`: `template_fields(spec)`) from a teacher
+    prompt, as the end of a sentence naming the fix; None when nothing does."""
     if fields is None:
         value = row[spec]
         if value is None:
