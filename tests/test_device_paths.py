@@ -229,7 +229,7 @@ def test_teacher_rows_of_a_batch_on_the_device():
     teacher's own rows, from a batch prepared onto the device."""
     from trl_distill.data.batch import Held
     from trl_distill.teacher.panel import own_rows
-    from trl_distill.teacher.privileged import PrivilegedTeacher, teacher_rows
+    from trl_distill.teacher.privileged import TEACHER_PROMPT, PrivilegedTeacher, teacher_rows
     from trl_distill.teacher.served import loss_rows
 
     prompts = [torch.tensor([1, 2, 3]), torch.tensor([4])]  # host tensors, as the collator made them
@@ -238,6 +238,9 @@ def test_teacher_rows_of_a_batch_on_the_device():
         def for_batch(self, inputs, own, mask, keep):
             return SimpleNamespace(inputs=inputs, mask=mask, keep=keep)
 
+        def pop_batch(self, inputs):
+            return None
+
         refused = {}
 
     privileged = PrivilegedTeacher(Inner(), "teacher_prompt", SimpleNamespace(pad_token_id=0))
@@ -245,8 +248,9 @@ def test_teacher_rows_of_a_batch_on_the_device():
     def run(ids, attention, labels):
         batch = {"input_ids": ids, "attention_mask": attention, "labels": labels}
         mask, keep = labels[:, 1:] != -100, torch.arange(ids.shape[1] - 1, device=ids.device)
-        shifted = privileged.for_batch({"input_ids": ids, "attention_mask": attention}, (Held(prompts), None), mask,
-                                       keep)
+        popped = {"labels": labels, TEACHER_PROMPT: Held(prompts)}
+        extras = privileged.pop_batch(popped)  # as the trainer pops them: the prompts, the completions' starts
+        shifted = privileged.for_batch({"input_ids": ids, "attention_mask": attention}, extras, mask, keep)
         served_rows, positions = loss_rows(batch)
         return (teacher_rows(batch, prompts, 0), shifted.inner.inputs, shifted.mask, served_rows,
                 [p.tolist() for p in positions], own_rows(batch, ids[:, 1] == 9), own_rows(batch, ids[:, 0] == 0))
@@ -266,7 +270,8 @@ def test_sampled_rows_rendered_for_a_teacher_of_another_tokenizer_on_the_device(
     student, other = build_tokenizer(), build_sentencepiece_style_tokenizer(vocab_size=300)
     teacher = CrossTokenizerTeacher.__new__(CrossTokenizerTeacher)  # its tokenizers and settings only
     teacher.student_tokenizer, teacher.teacher_tokenizer = student, other
-    teacher.args, teacher.sampled_rows = SimpleNamespace(max_length=64), {"rows": 0, "unaligned": 0}
+    teacher.args = SimpleNamespace(max_length=64, teacher_prompt=None)
+    teacher.sampled_rows = {"rows": 0, "unaligned": 0}
     prompt, completion = student("the cat sat")["input_ids"], student(" on the mat")["input_ids"]
     source = {_BATCH: (None, None, None, [other("the cat sat")["input_ids"]], None)}
 

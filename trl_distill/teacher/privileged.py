@@ -206,11 +206,13 @@ class PrivilegedTeacher(TeacherSource):
         prompts, starts, own = extras
         view = teacher_rows(model_inputs, prompts.value, self._pad_id(), starts)
         teacher_mask = torch.zeros_like(view["input_ids"], dtype=torch.bool)
-        for b in range(mask.shape[0]):
-            positions = keep[mask[b]] - starts[b] + len(prompts.value[b])
-            if len(positions) and not 0 <= int(positions.min()) <= int(positions.max()) < teacher_mask.shape[1]:
-                raise ValueError(f"{FLAG} {self.spec!r}: a row's teacher prompt has no token before its completion "
-                                 "(the teacher cannot predict the completion's first token): give it some text.")
+        rows = [keep[mask[b]] - starts[b] + len(prompts.value[b]) for b in range(mask.shape[0])]
+        every = torch.cat(rows)
+        low, high = torch.stack(torch.aminmax(every)).tolist() if every.numel() else (0, 0)  # one read of the device
+        if low < 0 or high >= teacher_mask.shape[1]:  # a negative one would wrap: the teacher's next token paired
+            raise ValueError(f"{FLAG} {self.spec!r}: a row's teacher prompt has no token before its completion "
+                             "(the teacher cannot predict the completion's first token): give it some text.")
+        for b, positions in enumerate(rows):
             teacher_mask[b, positions.to(teacher_mask.device)] = True
         teacher_keep = teacher_mask.any(0).nonzero().squeeze(1)
         teacher_mask = teacher_mask[:, teacher_keep]
@@ -252,8 +254,7 @@ def completion_starts(labels: torch.Tensor) -> list[int]:
     width. (Not one past its first loss position: a completion at position 0, after an empty prompt, is no loss
     target of the student's, yet the teacher must read it.)"""
     has = labels != -100
-    first = has.int().argmax(1)
-    return [int(f) if bool(h) else labels.shape[1] for f, h in zip(first, has.any(1), strict=True)]
+    return torch.where(has.any(1), has.int().argmax(1), labels.shape[1]).tolist()  # one read of the device
 
 
 def teacher_rows(batch: dict, prompts: list[torch.Tensor], pad_id: int, starts: list[int] | None = None) -> dict:
