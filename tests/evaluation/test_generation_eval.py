@@ -131,12 +131,13 @@ def test_without_a_teacher_the_verifiers_still_run(tiny_pair, tmp_path):
 
 @pytest.mark.parametrize("combine", ["route", "mixture"])
 def test_several_teachers_score_the_samples_as_they_teach(tiny_pair, second_teacher, tmp_path, combine):
-    """Routed, each row's sample is scored by its own teacher; mixed, by the mixture: eval_teacher_nll equals the
-    NLL computed from both teachers' own logits."""
+    """Routed, each row's sample is scored by its own teacher; mixed, by the mixture of the teachers at temperature 1
+    (trained at 2: not the mixture of the tempered teachers brought back to 1): eval_teacher_nll equals the NLL
+    computed from both teachers' own logits."""
     teachers, names = [tiny_pair["teacher"], second_teacher], ["a", "b", "b", "a", "b"]
     data = with_answers(synthetic_prompt_completion(16))
     data = data.add_column("teacher", [names[i % len(names)] for i in range(len(data))])
-    mixed = {} if combine == "route" else dict(teacher_combine="mixture", teacher_weights=[0.25, 0.75], temperature=1.0)
+    mixed = {} if combine == "route" else dict(teacher_combine="mixture", teacher_weights=[0.25, 0.75], temperature=2.0)
     trainer = trainer_for(tiny_pair, tmp_path, train=data, evaluation=data.select(range(10)), **mixed,
                           teacher_model_name_or_path=None, teachers=[f"a={teachers[0]}", f"b={teachers[1]}"])
     metrics = trainer.evaluate()

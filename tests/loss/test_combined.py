@@ -1,14 +1,18 @@
 """Several teachers' signals combined in the fused loss (`loss.combined`), against the formulas on full logits:
 routing equals each teacher's loss on its own rows; the mixture is the divergence against ``Σ w_i p_i``; the sum is
-``Σ w_i D(p_i ‖ q)``. Values and the student's gradients."""
+``Σ w_i D(p_i ‖ q)``. Values and the student's gradients; the metrics of a mixture at temperature 1."""
+
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from oracles import reference_diagnostics
 
 from trl_distill.loss.chunk_pass import chunk_slices
 from trl_distill.loss.combined import MixtureSignal, RoutedSignal, SumSignal, routed_order
 from trl_distill.loss.dense import DenseTeacherSignal
+from trl_distill.loss.diagnostics import LossDiagnostics
 from trl_distill.loss.divergences import DIVERGENCES, LOSS_TYPES
 from trl_distill.loss.fused import fused_loss
 from trl_distill.loss.settings import LossSettings
@@ -116,3 +120,60 @@ def test_a_mixture_refuses_a_top_k_teacher_and_a_sum_takes_it():
                      settings)
     expected = _reference(student, s_weight, teachers, [0.5, 0.5], settings, mixture=False)
     assert out.kd.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def _mixed(logits, weights, temperature=1.0):
+    """``log Σ w_i p_i`` of the teachers' distributions at `temperature`, from their logits."""
+    return torch.logsumexp(torch.stack([F.log_softmax(z / temperature, -1) + math.log(w)
+                                        for z, w in zip(logits, weights) if w]), 0)
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
+@pytest.mark.parametrize("weights", [[0.3, 0.7], [0.0, 1.0]])
+@pytest.mark.parametrize("kind", [MixtureSignal, SumSignal])
+def test_the_metrics_of_a_mixture_are_those_of_the_teachers_mixed_at_temperature_one(kind, weights, divergence):
+    """Trained at T = 2, the metrics (teacher_ce, KL, agreement, entropy) are against ``Σ w_i p_i`` of the teachers'
+    distributions at T = 1, not the mixture at 2 brought back to 1 as one teacher; measuring them changes neither
+    the loss nor its gradients."""
+    student, s_weight, teachers, labels = _models(3)
+    settings = LossSettings(divergence, temperature=2.0, chunk_size=5, vocab_size=V)
+
+    def run(diagnostics):
+        hidden, weight = student.clone().requires_grad_(), s_weight.clone().requires_grad_()
+        signal = kind([_dense(h, w, settings) for h, w in teachers], weights)
+        out = fused_loss(hidden, LMHead(weight), signal, settings, None, labels, num_items_in_batch=N,
+                         diagnostics=diagnostics)
+        (out.kd + 0.3 * out.ce).backward()
+        return signal, out, hidden.grad, weight.grad
+
+    diagnostics = LossDiagnostics()
+    signal, out, gh, gw = run(diagnostics)
+    logits = [h @ w.T for h, w in teachers]
+    reference = reference_diagnostics(student @ s_weight.T, _mixed(logits, weights), labels)
+    got = diagnostics.means()
+    for name in ("teacher_ce", "kl_teacher_student", "top1_agreement", "teacher_entropy", "student_ce"):
+        assert got[name] == pytest.approx(reference[name].mean().item(), abs=1e-9), name
+    if weights[0]:  # two teachers: the mixture at 2 brought back to 1 is another distribution, which this tells apart
+        wrong = reference_diagnostics(student @ s_weight.T, 2.0 * _mixed(logits, weights, 2.0), labels)
+        assert abs(wrong["teacher_ce"].mean() - reference["teacher_ce"].mean()) > 1e-3
+        assert abs(wrong["kl_teacher_student"].mean() - reference["kl_teacher_student"].mean()) > 1e-3
+    # a student whose logits are that mixture agrees with it on every row, at KL 0 (with the mixture at 2 brought
+    # back to 1 it would not: another top token on some rows)
+    ideal = LossDiagnostics()
+    fused_loss(_mixed(logits, weights), None, kind([_dense(h, w, settings) for h, w in teachers], weights), settings,
+               None, labels, diagnostics=ideal)
+    assert ideal.means()["top1_agreement"] == 1.0
+    assert ideal.means()["kl_teacher_student"] == pytest.approx(0.0, abs=1e-9)
+    if weights[0]:
+        assert (_mixed(logits, weights, 2.0).argmax(-1) != _mixed(logits, weights).argmax(-1)).any()
+    if kind is SumSignal:  # each teacher's own metrics, against that teacher alone at T = 1
+        for i, own in enumerate(signal.own):
+            if weights[i]:
+                alone = reference_diagnostics(student @ s_weight.T, logits[i], labels)
+                assert own.means()["teacher_ce"] == pytest.approx(alone["teacher_ce"].mean().item(), abs=1e-9)
+    # the loss is the one at T = 2, measured or not, to the bit
+    _, plain, plain_gh, plain_gw = run(None)
+    expected = _reference(student, s_weight, teachers, weights, settings, mixture=kind is MixtureSignal)
+    assert out.kd.item() == pytest.approx(expected.item(), rel=1e-9)
+    assert torch.equal(out.kd, plain.kd) and torch.equal(out.ce, plain.ce)
+    assert torch.equal(gh, plain_gh) and torch.equal(gw, plain_gw)

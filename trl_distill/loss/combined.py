@@ -11,7 +11,10 @@ combine their signals, each itself a `loss.signal.TeacherSignal`, so the chunked
   computes it (dense, or a cache's or a server's top-k).
 
 Routed and summed signals count each teacher's part of the KD sum (`parts`) and take each teacher's metrics apart
-(`own`, `loss.diagnostics`), which the trainer logs per teacher.
+(`own`, `loss.diagnostics`), which the trainer logs per teacher. The metrics of a mixture (`mixture`, and `sum` of
+live teachers), at temperature 1 like every metric, are against the mixture of the teachers' distributions at 1
+(`mixture_at_one`): at a training temperature T != 1 the mixture at T, brought back to 1 as one teacher, is another
+distribution (a power of a sum is not the sum of the powers).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ if TYPE_CHECKING:
 
     from .settings import LossSettings
 
-__all__ = ["MixtureSignal", "RoutedSignal", "SumSignal", "routed_order"]
+__all__ = ["MixtureSignal", "RoutedSignal", "SumSignal", "mixture_at_one", "routed_order"]
 
 
 def routed_order(route: Tensor, count: int) -> tuple[Tensor, list[int]]:
@@ -44,6 +47,22 @@ def routed_order(route: Tensor, count: int) -> tuple[Tensor, list[int]]:
     for size in sizes:
         bounds.append(bounds[-1] + size)
     return order, bounds
+
+
+def mixture_at_one(parts: list[tuple[Tensor, float]], temperature: float, overwrite: bool) -> Tensor:
+    """``log Σ w_i p_i`` of the teachers' distributions at T = 1 ``[c, V]``, from each teacher's chunk of log-probs at
+    `temperature` (a row may be shifted by a constant) and its ``log w_i`` (`parts`): each teacher brought back to
+    1 alone (``log_softmax(T · log p_T)``, exact), then mixed. `overwrite`: the parts' tensors may be written (the
+    result is then the first's: no new ``[c, V]`` tensor); else one new tensor per teacher, the first kept."""
+    mixed = None
+    for part, log_w in parts:
+        if temperature == 1.0:
+            part = part.add_(log_w) if overwrite else part + log_w
+        else:
+            part = part.mul_(temperature) if overwrite else part * temperature
+            part = torch.log_softmax(part, -1, out=part).add_(log_w)
+        mixed = part if mixed is None else torch.logaddexp(mixed, part, out=mixed)
+    return mixed
 
 
 def own_metrics(signal: RoutedSignal | SumSignal, like: LossDiagnostics) -> list[LossDiagnostics]:
@@ -117,19 +136,29 @@ class MixtureSignal(TeacherSignal):
                              "a served teacher gives its top-k only: use teacher_combine='sum'.")
         self.signals = signals
         self.log_weights = [math.log(w) if w > 0 else -math.inf for w in weights]
+        self._parts: list[tuple[Tensor, float]] = []  # the last chunk's teachers' log-probs at T (for `observe`)
 
     def chunk(self, rows: slice, compute: torch.dtype) -> Tensor:
-        mixed = None
+        mixed, self._parts = None, []
         for signal, log_w in zip(self.signals, self.log_weights, strict=True):
             if log_w == -math.inf:
                 continue
             part = signal.chunk(rows, compute)  # that teacher's buffer, reused at its next chunk: add it now
+            self._parts.append((part, log_w))  # (the later ones shifted by log_w: the same distribution)
             mixed = part + log_w if mixed is None else torch.logaddexp(mixed, part.add_(log_w))
         return mixed
 
-    # Its chunk is full log-probs, like a dense teacher's: the same per-token divergence and metrics
+    # Its chunk is full log-probs, like a dense teacher's: the same per-token divergence
     per_token = staticmethod(DenseTeacherSignal.per_token)
-    observe = staticmethod(DenseTeacherSignal.observe)
+
+    def observe(self, into: LossDiagnostics, rows: slice, logits: Tensor, mixed: Tensor, labels: Tensor | None,
+                settings: LossSettings) -> None:
+        """The metrics against the mixture of the teachers at T = 1: at another temperature, from the teachers' own
+        log-probs at T, which the chunk's mixture no longer needs (overwritten in their buffers: no extra copy)."""
+        parts, self._parts = self._parts, []
+        if settings.temperature != 1.0:
+            mixed = mixture_at_one(parts, settings.temperature, overwrite=True)
+        observe_dense(into, logits, mixed, labels, 1.0)
 
 
 class SumSignal(TeacherSignal):
@@ -166,9 +195,6 @@ class SumSignal(TeacherSignal):
         if not all(s.closed_form for s in self.signals):
             return
         total = sum(self.weights)
-        mixed = None
-        for w, chunk in zip(self.weights, chunks, strict=True):
-            if w:
-                part = chunk + math.log(w / total)
-                mixed = part if mixed is None else torch.logaddexp(mixed, part)
-        observe_dense(into, logits, mixed, labels, settings.temperature)
+        parts = [(chunk, math.log(w / total)) for w, chunk in zip(self.weights, chunks, strict=True) if w]
+        # not overwritten: `per_token` reads the chunks next
+        observe_dense(into, logits, mixture_at_one(parts, settings.temperature, overwrite=False), labels, 1.0)

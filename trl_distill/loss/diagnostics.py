@@ -69,7 +69,8 @@ class LossDiagnostics:
 
 
 def _teacher_at_one(teacher_logp: Tensor, temperature: float) -> Tensor:
-    """The teacher's log-probs at T = 1 from its log-probs at ``temperature`` (exact: T·log p_T = z − const)."""
+    """The teacher's log-probs at T = 1 from its log-probs at ``temperature`` (exact: T·log p_T = z − const). One
+    teacher's: the mixture of several at T, brought back to 1, is not their mixture at 1 (`combined.mixture_at_one`)."""
     return teacher_logp if temperature == 1.0 else F.log_softmax(teacher_logp * temperature, dim=-1)
 
 
