@@ -171,7 +171,7 @@ def test_a_verifier_that_raises_or_miscounts_on_the_first_rows_is_one_line(tiny_
                                          r"a reward function \(missing a required argument: 'score'\) .* name a column "
                                          r"the rows have, or give the parameter a default\.$"):
         trainer_for(tiny_pair, tmp_path, eval_reward_funcs=["bad_rewards:needs_score"])
-    with pytest.raises(ValueError, match="Verifier 'one' .* returned 1 scores for 2 completions"):
+    with pytest.raises(ValueError, match="Verifier 'one' .* returned 1 scores for 8 completions"):
         trainer_for(tiny_pair, tmp_path, eval_reward_funcs=["bad_rewards:one"])
     assert not (tmp_path / "run").exists()  # nothing left behind
 

@@ -25,6 +25,7 @@ from .references import check_references
 from .verifiers import answer_column, resolve_verifiers
 
 logger = logging.getLogger("trl_distill")
+CHECKED_ROWS = 8  # the first rows of an eval split each verifier is tried on before training
 
 # The per-rank sums an evaluation adds up (then reduced over ranks): prompts, Σ c/n (pass@1), Σ [c > 0] (pass@n),
 # completions, their tokens, those ended by EOS; then each verifier's score sum and count.
@@ -73,6 +74,18 @@ def reference_completions(columns: dict, n: int, tokenizer, wrap: bool) -> tuple
     texts = [t[: -len(eos)] if eos and t.endswith(eos) else t for t in texts]
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + ([] if eos_id is None else [eos_id]) for t in texts]
     return ([[{"role": "assistant", "content": t}] for t in texts] if wrap else texts), ids
+
+
+def warn_if_never_credited(verifier: Verifier, scores: list, completions: list, split: str) -> None:
+    """One warning when a verifier gives 0 to every reference completion it judged: a student that learns to write
+    them would log pass@k 0 too (an answer column that is not what the completions end with, a pattern that never
+    matches), the evaluation saying nothing of the student."""
+    judged = [s for s, c in zip(scores, completions, strict=True) if s is not None and text_of(c).strip()]
+    if judged and not any(judged):
+        logger.warning(f"{verifier.label} scores 0 on the reference completions of all {len(judged)} judged rows "
+                       f"it was tried on ({split}): a student that writes them would log pass@k 0. Check what it "
+                       "compares (--eval_answer_column, --eval_answer_pattern), or pick another verifier "
+                       "(last_number compares the last number).")
 
 
 @dataclass
@@ -124,13 +137,15 @@ class GenerationEvaluation:
         verifier that raises or miscounts is one line now, not at the first evaluation."""
         split = "the eval split" if name == "eval" else f"the {name} eval split"
         check_references(self.settings.verifiers, dataset, split, self.settings.max_prompts, warn=self.rank == 0)
-        rows = dataset.select(range(min(2, len(dataset))))
+        rows = dataset.select(range(min(CHECKED_ROWS, len(dataset))))
         prompts, columns = self.prompts_and_columns(rows)
         completions, ids = reference_completions(columns, len(prompts), self.tokenizer, self.conversational)
         for verifier in self.settings.verifiers:  # (what they log here is of the references: dropped)
-            verifier.score(prompts, completions, columns, f"on the first rows of {split} (their reference "
-                           "completions standing in for the student's)", completion_ids=ids, trainer_state=state,
-                           **RewardLogs().kwargs())
+            scores = verifier.score(prompts, completions, columns, f"on the first rows of {split} (their reference "
+                                    "completions standing in for the student's)", completion_ids=ids,
+                                    trainer_state=state, **RewardLogs().kwargs())
+            if self.rank == 0:
+                warn_if_never_credited(verifier, scores, completions, split)
 
     def prompts_and_columns(self, rows) -> tuple[list, dict]:
         """The rows' prompts and columns as TRL hands them to a reward function: plain lists."""
