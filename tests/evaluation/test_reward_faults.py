@@ -58,6 +58,16 @@ def flaky(prompts, completions, **kwargs):
     if len(CALLS) == 4:
         raise RuntimeError("the grading service is down")
     return [float(len(completion) % 3 == 0) for completion in completions]
+
+
+def nan_late(prompts, completions, **kwargs):
+    CALLS.append(len(completions))
+    return [float("nan") if len(CALLS) == 4 else 1.0 for completion in completions]
+
+
+def short_late(prompts, completions, **kwargs):
+    CALLS.append(len(completions))
+    return [1.0] * (1 if len(CALLS) == 4 else len(completions))
 '''
 SAMPLED = dict(lmbda=1.0, temperature=1.0, on_policy_objective="sampled_token")
 RUN = ["--bf16", "false", "--gradient_checkpointing", "false", "--report_to", "none", "--logging_steps", "1",
@@ -253,22 +263,33 @@ def test_set_up_faults_name_the_flag_given(tiny_pair, split_dir, tmp_path, monke
     assert not out.exists() and snapshot(split_dir, tmp_path) == before  # no eval_pass@1 0 logged: nothing ran
 
 
-def test_a_task_reward_that_raises_at_step_3_is_one_line_and_checkpoint_2_stays_complete(tiny_pair, split_dir,
-                                                                                        tmp_path, monkeypatch,
-                                                                                        capsys):
-    reward = module(tmp_path, monkeypatch, "fragile_task", FRAGILE)
+KEPT_LINE_END = ("The last complete checkpoint is kept: fix the function and resume with --resume_from_checkpoint "
+                 "true.")
+
+
+@pytest.mark.parametrize("function, line", [
+    ("flaky", "Task reward 'flaky' (--task_reward_funcs) raised RuntimeError: the grading service is down at step 3 "
+              "(on the student's samples): it must score any text the student may write. "),
+    ("nan_late", "Task reward 'nan_late' (--task_reward_funcs) returned nan for the completion "),  # not "the loss"
+    ("short_late", "Task reward 'short_late' (--task_reward_funcs) returned 1 scores for "),
+], ids=["raises", "nan", "miscounts"])
+def test_a_task_reward_that_fails_at_step_3_is_one_line_and_checkpoint_2_stays_complete(tiny_pair, split_dir,
+                                                                                       tmp_path, monkeypatch,
+                                                                                       capsys, function, line):
+    """Raises, returns NaN, or miscounts at its fourth call (step 3): one line naming it and its flag, exit 1; the
+    guard's "the student's loss is not finite: lower the learning rate" never speaks for a NaN reward."""
+    reward = module(tmp_path, monkeypatch, f"fragile_task_{function}", FRAGILE)
     before = snapshot(split_dir, reward)
     out = tmp_path / "out"
     code, errors, err = run(["--model_name_or_path", tiny_pair["student"], "--teacher_model_name_or_path",
                              tiny_pair["teacher"], "--dataset_name", str(split_dir / "train.jsonl"), "--output_dir",
                              str(out), *RUN, "--lmbda", "1", "--temperature", "1", "--alpha", "1",
-                             "--on_policy_objective", "sampled_token", "--task_reward_funcs", "fragile_task:flaky",
-                             "--max_new_tokens", "4", "--save_strategy", "steps", "--save_steps", "2"], capsys)
+                             "--on_policy_objective", "sampled_token", "--task_reward_funcs",
+                             f"fragile_task_{function}:{function}", "--max_new_tokens", "4", "--save_strategy",
+                             "steps", "--save_steps", "2"], capsys)
     assert code == 1 and "Traceback" not in err, err[-3000:]
-    assert errors == ["trl-distill: error: Task reward 'flaky' (--task_reward_funcs) raised RuntimeError: the grading "
-                      "service is down at step 3 (on the student's samples): it must score any text the student may "
-                      "write. The last complete checkpoint is kept: fix the function and resume with "
-                      "--resume_from_checkpoint true."]
+    assert len(errors) == 1 and errors[0].startswith(f"trl-distill: error: {line}"), errors
+    assert " at step 3 (on the student's samples)" in errors[0] and errors[0].endswith(KEPT_LINE_END), errors
     assert is_complete(str(out / "checkpoint-2")) and not (out / "checkpoint-4").exists()
     assert snapshot(split_dir, reward) == before
 
