@@ -22,9 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from build_lock import plant_stale_build_lock
+from build_lock import plant_stale_build_lock, private_build_root
 
-from trl_distill.runtime.build_locks import describe_locks
+from trl_distill.runtime.build_locks import build_root, describe_locks
 from trl_distill.runtime.distributed import free_port
 from trl_distill.testing import kill_tree
 
@@ -39,11 +39,13 @@ class RankPool:
     """`nproc` ranks started on the first job and kept for the next ones; `close` stops them."""
 
     def __init__(self, nproc: int = 2, plant_stale_lock: bool = False):
-        """With `plant_stale_lock`, the first start finds a stale build lock where the ranks build DeepSpeed's CPU op
-        (`build_lock.plant_stale_build_lock`), as a killed first launch leaves it; `planted` is its path and
-        `first_start_output` what the ranks wrote before they were ready."""
+        """With `plant_stale_lock`, the ranks build DeepSpeed's CPU op in a directory of the pool's own (seeded with
+        this environment's ops), where the first start finds a stale build lock (`build_lock.plant_stale_build_lock`),
+        as a killed first launch leaves it; `planted` is its path and `first_start_output` what the ranks wrote
+        before they were ready."""
         self.nproc, self.proc, self.dir, self.next_job = nproc, None, None, 0
         self.plant_stale_lock, self.planted, self.first_start_output = plant_stale_lock, None, None
+        self.extensions = None  # the ranks' TORCH_EXTENSIONS_DIR, with plant_stale_lock
         self.launches = 0  # how many times ranks were started: one, unless a job failed
         self.jobs, self.restarts = 0, []  # jobs run; why ranks were stopped before the end (job, reason)
 
@@ -54,8 +56,11 @@ class RankPool:
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)  # the stopped ranks' jobs: their tests have read them
         self.dir = Path(tempfile.mkdtemp(prefix="rank_pool_"))
-        if self.plant_stale_lock and self.launches == 0:
-            self.planted = plant_stale_build_lock()
+        if self.plant_stale_lock:
+            if self.extensions is None:
+                self.extensions = private_build_root(Path(tempfile.mkdtemp(prefix="rank_pool_extensions_")))
+                self.planted = plant_stale_build_lock(self.extensions)
+            env = {**env, "TORCH_EXTENSIONS_DIR": str(self.extensions)}
         (self.dir / "launch_env.json").write_text(json.dumps(env))
         (self.dir / "owner").write_text(str(os.getpid()))  # the ranks leave when this process is gone
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={self.nproc}",
@@ -68,8 +73,8 @@ class RankPool:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 waiting = self._starting_ranks_stacks()
                 log = (self.dir / "pool.log").read_text()[-8000:]
+                locks = "\n".join(describe_locks(Path(env.get("TORCH_EXTENSIONS_DIR") or build_root()))) or "none"
                 self.close()
-                locks = "\n".join(describe_locks()) or "none"
                 raise RuntimeError(f"the shared ranks did not start within {START_TIMEOUT_S} s; {waiting}; build locks "
                                    f"where they build DeepSpeed's ops: {locks}\n{log}")
             time.sleep(0.1)
@@ -94,6 +99,9 @@ class RankPool:
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
+        if self.extensions is not None:
+            shutil.rmtree(self.extensions, ignore_errors=True)
+            self.extensions = None
 
     def _kill(self) -> None:
         if self.proc is not None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from build_lock import plant_stale_build_lock  # tests/ is on sys.path
+from build_lock import plant_stale_build_lock, private_build_root  # tests/ is on sys.path
 from oracles import held_out_loss
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -122,16 +122,19 @@ def test_bad_input_fails_on_every_rank(tiny_pair, datasets, tmp_path):
 def test_plain_python_with_deepspeed_and_tensorboard(tiny_pair, datasets, tmp_path):
     """`python -m trl_distill` in a fresh process: one-process DeepSpeed, and `--report_to tensorboard` logs the
     distillation losses. It starts over a stale lock where DeepSpeed builds its CPU op (a first launch killed
-    midway), which torch alone would wait on forever: one line says it was removed."""
+    midway; in a TORCH_EXTENSIONS_DIR the user set), which torch alone would wait on forever: one line says it was
+    removed."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    lock = plant_stale_build_lock()
+    extensions = private_build_root(tmp_path / "torch_extensions")  # a TORCH_EXTENSIONS_DIR of the user's
+    lock = plant_stale_build_lock(extensions)
 
     args = base_args(tiny_pair, datasets["prompt_completion"], tmp_path / "out")
     args.remove("--use_cpu")
     args[args.index("--report_to") + 1] = "tensorboard"
     args += ["--deepspeed", str(ROOT / "configs/deepspeed/zero2_student.json")]
-    env = {**os.environ, "TENSORBOARD_LOGGING_DIR": str(tmp_path / "tb"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "TENSORBOARD_LOGGING_DIR": str(tmp_path / "tb"), "OMP_NUM_THREADS": "1",
+           "TORCH_EXTENSIONS_DIR": str(extensions)}
     done = subprocess.run([sys.executable, "-m", "trl_distill", *args], capture_output=True, text=True, timeout=300,
                           env=env)
     assert done.returncode == 0, done.stderr[-3000:]

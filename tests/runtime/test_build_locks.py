@@ -69,14 +69,15 @@ def test_each_environment_builds_in_its_own_directory_and_a_users_choice_is_kept
 
 @pytest.mark.distributed
 def test_the_shared_ranks_start_over_a_stale_build_lock(shared_ranks, tmp_path):
-    """The session's ranks first started over a lock planted where they build DeepSpeed's CPU op: torch would have
-    waited on it forever; they removed it with one line (one rank; the other found it gone) and built the op."""
+    """The session's ranks first started over a lock planted where they build DeepSpeed's CPU op (a directory of
+    the pool's own, `RankPool.extensions`): torch would have waited on it forever; they removed it with one line (one
+    rank; the other found it gone) and loaded the op."""
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT)
     out = launch(script).stdout
     assert "rank 0 of 2" in out and "rank 1 of 2" in out
     lock = shared_ranks.planted
-    assert lock == build_root() / OP / "lock" and not lock.exists()
+    assert lock == shared_ranks.extensions / OP / "lock" and not lock.exists()
     assert shared_ranks.first_start_output.count(f"trl-distill: removed a stale build lock, {lock}: a build of {OP} "
                                                  "was stopped midway") == 1
     assert (lock.parent / f"{OP}.so").exists()
