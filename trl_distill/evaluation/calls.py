@@ -14,6 +14,7 @@ during training 1 (`cli.errors`), the last complete checkpoint kept.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -142,8 +143,9 @@ class Verifier:
         at = f" {when}" if when else ""
         fix = KEPT if running else ""
         try:
-            scores = self.function(prompts=prompts, completions=completions, **columns, **extra)
-        except Exception as error:  # noqa: BLE001 - a user function that raises: its name and the error, one line
+            scores = self.call(prompts, completions, columns, extra)
+        except (Exception, SystemExit) as error:  # noqa: BLE001 - a user function that raises (or calls sys.exit):
+            # its name and the error, one line
             self._check_signature(columns, extra, at, fix)
             row = self._blame(prompts, completions, columns, extra)
             on = "" if row is None else f" on the completion {shortened(completions[row])}"
@@ -172,11 +174,30 @@ class Verifier:
             out.append(value)
         return out
 
+    def call(self, prompts: list, completions: list, columns: dict, extra: dict):
+        """The function's return for these arguments, each list its own copy (a function that edits its arguments in
+        place, as ``completions[i] = c.strip()``, changes neither the next function's nor the counts checked here);
+        an ``async def`` function (TRL's GRPOTrainer awaits those) awaited, in a thread of its own (a caller's
+        running event loop, as a notebook's, is left alone)."""
+        def own(values):
+            return list(values) if isinstance(values, list) else values
+
+        scores = self.function(prompts=own(prompts), completions=own(completions),
+                               **{k: own(v) for k, v in columns.items()}, **{k: own(v) for k, v in extra.items()})
+        if inspect.isawaitable(scores):
+            import asyncio
+            from concurrent.futures import ThreadPoolExecutor
+
+            async def awaited(awaitable=scores):
+                return await awaitable
+
+            with ThreadPoolExecutor(1) as thread:
+                scores = thread.submit(asyncio.run, awaited()).result()
+        return scores
+
     def _check_signature(self, columns: dict, extra: dict, at: str, fix: str) -> None:
         """When the call raised: one line if the function's parameters cannot take what TRL passes a reward
         function (a missing ``**kwargs``, a parameter no column fills), not the `TypeError` blamed on a completion."""
-        import inspect
-
         try:
             signature = inspect.signature(self.function)
         except (TypeError, ValueError):  # a callable without a signature Python can read
@@ -205,8 +226,8 @@ class Verifier:
                 return values[row: row + 1] if isinstance(values, list) and len(values) == n else values
 
             try:
-                self.function(prompts=one(prompts), completions=one(completions),
-                              **{k: one(v) for k, v in columns.items()}, **{k: one(v) for k, v in extra.items()})
-            except Exception:  # noqa: BLE001 - found the row
+                self.call(one(prompts), one(completions), {k: one(v) for k, v in columns.items()},
+                          {k: one(v) for k, v in extra.items()})
+            except (Exception, SystemExit):  # noqa: BLE001 - found the row
                 return row
         return None

@@ -55,17 +55,30 @@ def missing(answer) -> bool:
     return answer is None or isinstance(answer, float) and math.isnan(answer)
 
 
+def answer_text(answer) -> str:
+    """An answer as the text a completion must hold, stripped: a whole number read as a float (a JSON or CSV column
+    of numbers that also holds a fraction is all floats: ``3`` is loaded as 3.0) written as the integer (``"3"``, not
+    ``"3.0"``, which no completion ``3`` equals)."""
+    if isinstance(answer, float) and answer.is_integer():
+        return str(int(answer))
+    return str(answer).strip()
+
+
 def exact_match(answer_column: str) -> Callable:
     def exact_match(prompts, completions, **columns) -> list[float]:
         answers = _answers(columns, answer_column, len(completions))
-        return [None if missing(a) else float(text_of(c).strip() == str(a).strip())
+        return [None if missing(a) else float(text_of(c).strip() == answer_text(a))
                 for c, a in zip(completions, answers, strict=True)]
 
     return exact_match
 
 
-def regex_match(answer_column: str, pattern: str) -> Callable:
-    compiled = re.compile(pattern)
+def regex_match(answer_column: str, pattern: str, flag: str = "eval_reward_funcs") -> Callable:
+    try:
+        compiled = re.compile(pattern)
+    except re.error as error:  # (not a ValueError: it would be a traceback)
+        raise ValueError(f"--eval_answer_pattern {pattern!r} is not a regular expression ({error}), and regex_match "
+                         f"in --{flag} extracts the answer with it: fix it, e.g. '####\\s*(\\S+)'.") from None
 
     def regex_match(prompts, completions, **columns) -> list[float]:
         answers = _answers(columns, answer_column, len(completions))
@@ -76,7 +89,7 @@ def regex_match(answer_column: str, pattern: str) -> Callable:
                 continue
             found = compiled.search(text_of(completion))
             extracted = None if found is None else (found.group(1) if compiled.groups else found.group(0))
-            scores.append(float(extracted is not None and extracted.strip() == str(answer).strip()))
+            scores.append(float(extracted is not None and extracted.strip() == answer_text(answer)))
         return scores
 
     return regex_match
@@ -106,12 +119,27 @@ def load_function(path: str, flag: str = "eval_reward_funcs") -> Callable:
         kind = "task reward" if flag == "task_reward_funcs" else "verifier"
         raise ValueError(f"Unknown {kind} {path!r} in --{flag}: use a built-in ({', '.join(BUILT_INS)}) "
                          "or a function as module:function (or TRL's module.function).")
+    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
+        kind = "task reward" if flag == "task_reward_funcs" else "verifier"
+        stem = os.path.splitext(os.path.basename(module_name))[0] or "module"
+        if module_name.endswith(".py"):  # a file, which `import` cannot name (and would half-import)
+            raise ValueError(f"--{flag} {path!r} names a file: name its module, as {stem}:{attribute}, with "
+                             f"{os.path.basename(module_name)} in the working directory (or its directory on "
+                             "PYTHONPATH).")
+        raise ValueError(f"--{flag} {path!r} is a path, not a {kind}: give a Python function as module:function "
+                         f"(e.g. my_rewards:accuracy); a reward model, which TRL's reward_funcs may name, is not one "
+                         "here.")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # a module beside the script, as TRL's GRPO script finds it
     try:
         module = importlib.import_module(module_name)
-    except Exception as error:  # noqa: BLE001 - any failure of the user's module is the user's, in one line
-        raise ValueError(f"--{flag}: cannot import {module_name!r} for {path!r}: {first_line(error)}") from None
+    except (Exception, SystemExit) as error:  # noqa: BLE001 - any failure of the user's module is the user's, in one
+        # line; SystemExit too: a module that is also a script (argparse reading our command line as it imports)
+        why = first_line(error)
+        if isinstance(error, SystemExit):
+            why = (f"SystemExit: {error.code} (the module exits as it is imported: keep a script's argument parsing "
+                   "under `if __name__ == \"__main__\":`)")
+        raise ValueError(f"--{flag}: cannot import {module_name!r} for {path!r}: {why}") from None
     function = getattr(module, attribute, None)
     if not callable(function):
         raise ValueError(f"--{flag}: {module_name!r} has no function {attribute!r} (from {path!r}).")
@@ -137,7 +165,7 @@ def resolve_verifiers(specs: list[str], answer_column: str, pattern: str | None,
                 raise ValueError("The regex_match verifier needs eval_answer_pattern (a regular expression; its "
                                  f"first group, if any, is the answer) in --{flag}, e.g. --eval_answer_pattern "
                                  "'####\\s*(\\S+)'.")
-            function = regex_match(answer_column, pattern)
+            function = regex_match(answer_column, pattern, flag)
         elif spec == "last_number":
             function = last_number_match(answer_column)
         else:

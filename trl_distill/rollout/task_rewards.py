@@ -58,12 +58,14 @@ def reward_columns(args, dataset, teacher_columns) -> list[str]:
 
 def reward_inputs(columns: dict) -> tuple[list | None, bool]:
     """The rows' prompts as a reward function gets them (a conversation's: its turns before the first answer; None
-    for rows without any), and whether the rows are conversations (their completions then one assistant message)."""
+    for rows without any), and whether the rows are conversations, as TRL's GRPOTrainer tells (a ``messages`` row, or
+    a prompt that is a list of messages): their completions then reach the functions as one assistant message, as
+    TRL's do (``completions[i][0]["content"]``)."""
     prompts = columns.get("prompt")
-    conversational = prompts is None and "messages" in columns
-    if conversational:
-        prompts = [before_first_answer(messages) for messages in columns["messages"]]
-    return prompts, conversational
+    if prompts is None and "messages" in columns:
+        return [before_first_answer(messages) for messages in columns["messages"]], True
+    first = next((p for p in prompts or () if p is not None), None)
+    return prompts, isinstance(first, list) and bool(first) and isinstance(first[0], dict) and "role" in first[0]
 
 
 def check_task_rewards(args, dataset, columns: list[str], processing_class, state=None) -> None:
