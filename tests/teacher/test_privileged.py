@@ -73,10 +73,12 @@ def test_the_teacher_prompt_is_each_rows_own(tiny_pair, tmp_path):
     trainer = make(tiny_pair, tmp_path, teacher_prompt=HINT)
     prepared = trainer.train_dataset
     tokenizer = trainer.processing_class
-    for i in range(3):  # the template reads the prepared row's columns (SFT has appended EOS to its completion)
+    raw = synthetic_prompt_completion(16)
+    for i in range(3):  # the template reads the row as written: not the EOS SFT appended to the prepared completion
         row = prepared[i]
         assert row["completion"].endswith(tokenizer.eos_token)
-        assert row[TEACHER_PROMPT] == tokenizer(HINT.format(**row))["input_ids"]
+        assert row[TEACHER_PROMPT] == tokenizer(HINT.format(**raw[i]))["input_ids"]
+        assert tokenizer.eos_token_id not in row[TEACHER_PROMPT]  # (was: "hint: 7</s> =>", an end of text inside)
 
 
 def test_the_prompt_itself_as_teacher_prompt_trains_as_without(tiny_pair, tmp_path):

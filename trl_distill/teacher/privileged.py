@@ -50,6 +50,14 @@ def teacher_prompt_of(spec: str, row: dict, split: str, index: int):
     return row[spec] if fields is None else spec.format(**{name: row[name] for name in fields})
 
 
+def as_written(row: dict, eos: str | None) -> dict:
+    """A prepared row's values as the dataset holds them: SFT appends the student's EOS text to each `completion` (and
+    `text`) string of rows that are not conversations, and a template quoting it would put an end of text in the
+    middle of the teacher's prompt (a teacher of another tokenizer reads the row without it too)."""
+    return {key: value[: -len(eos)] if key in ("completion", "text") and isinstance(value, str) and eos
+            and value.endswith(eos) else value for key, value in row.items()}
+
+
 def prompt_tokens(tokenizer, prompt) -> list[int]:
     """`prompt` as the teacher reads it before a completion: a string as SFT tokenizes a prompt, a list of messages
     with the chat template and its generation prompt."""
@@ -85,6 +93,7 @@ class StreamedPrompts:
         wanted = [self.spec] if self.fields is None else self.fields
         if any(name not in row for name in wanted):  # a column SFT's preparation dropped: one line
             teacher_prompt_of(self.spec, row, f"streamed {self.split}", index)
+        mask, row = row.get("completion_mask"), as_written(row, self.tokenizer.eos_token)
         why = prompt_problem(self.spec, self.fields, {name: row[name] for name in wanted}, self.empty_has_tokens)
         ids = None
         if why is None:
@@ -95,7 +104,7 @@ class StreamedPrompts:
         where = f"row {index} of the streamed {self.split} dataset"
         if why is not None:
             raise ValueError(f"{FLAG} {self.spec!r}: {where} {why}.")
-        if self.split == "train" and several_stretches(row.get("completion_mask")):
+        if self.split == "train" and several_stretches(mask):
             raise ValueError(stretched(where))
         return {TEACHER_PROMPT: ids}
 
@@ -131,7 +140,8 @@ class PrivilegedTeacher(TeacherSource):
     # ---- The teacher's prompt of each row ----
 
     def prompt_of(self, row: dict, split: str, index: int):
-        return teacher_prompt_of(self.spec, row, split, index)
+        """Row `index`'s teacher prompt, read from the row as the dataset holds it (`as_written`)."""
+        return teacher_prompt_of(self.spec, as_written(row, self.tokenizer.eos_token), split, index)
 
     def route_rows(self, train_dataset, eval_dataset):
         """Every raw row has a teacher prompt of at least one token, checked before anything loads."""
