@@ -48,7 +48,12 @@ def load_dataset_any(name: str, config: str | None = None, what: str = "--datase
     if os.path.isdir(name):
         if any(os.path.exists(os.path.join(name, saved)) for saved in _SAVED):
             return _load_saved(name)
-        return load_dataset(name, name=config)
+        from datasets.exceptions import DatasetGenerationError
+
+        try:
+            return load_dataset(name, name=config)
+        except DatasetGenerationError as error:  # e.g. its files' columns differ: datasets' traceback names none
+            raise ValueError(_unloadable_directory(name, error, what)) from error
     if not looks_like_hub_id(name):
         raise FileNotFoundError(f"Dataset path not found: {name!r}.")
     require_hub(name, what, "file or directory")
@@ -92,6 +97,53 @@ def _load_saved(directory: str) -> DatasetDict:
         raise ValueError(f"Cannot read the dataset saved at {directory!r} (with `save_to_disk`): {cause}. Its files "
                          "are damaged or incomplete (a copy cut short?): save or copy it again.") from error
     return loaded if isinstance(loaded, DatasetDict) else DatasetDict({"train": loaded})
+
+
+def _unloadable_directory(name: str, error: Exception, what: str) -> str:
+    """One line for a directory of data files `datasets` cannot load: for files of different columns (a
+    conversational eval file beside a prompt-completion train file), each file's columns."""
+    cause = error.__cause__ or error.__context__ or error
+    text = str(cause).strip()
+    if "column names don't match" in text:
+        columns = _file_columns(name)
+        if len(set(columns.values())) > 1:
+            listed = "; ".join(f"{os.path.relpath(path, name)}: {', '.join(names)}" for path, names in columns.items())
+            return (f"The data files of {what} {name} have different columns ({listed}), and datasets loads a "
+                    "directory's files with one set of columns: write every file in one format (prompt-completion: "
+                    "prompt, completion; conversational: messages), the same columns in each.")
+    detail = text.splitlines()[-1] if text else type(cause).__name__
+    return f"Cannot load the data files of {what} {name}: {detail}"
+
+
+def _file_columns(directory: str) -> dict[str, tuple[str, ...]]:
+    """The columns of each JSON Lines, Parquet or CSV data file of `directory` (as `datasets` finds its splits' files),
+    from its first row or its schema; a file read otherwise is left out."""
+    try:
+        from datasets.data_files import DataFilesDict, get_data_patterns
+
+        files = [str(f) for split in DataFilesDict.from_patterns(get_data_patterns(directory),
+                                                                   base_path=directory).values() for f in split]
+    except Exception:  # noqa: BLE001 - a layout datasets does not infer: no columns to list
+        return {}
+    columns = {}
+    for path in files:
+        try:
+            if path.endswith(".jsonl"):
+                with open(path, encoding="utf-8") as f:
+                    first = next((line for line in f if line.strip()), "{}")
+                columns[path] = tuple(sorted(json.loads(first)))
+            elif path.endswith(".parquet"):
+                import pyarrow.parquet as pq
+
+                columns[path] = tuple(sorted(pq.read_schema(path).names))
+            elif path.endswith(".csv"):
+                import csv
+
+                with open(path, encoding="utf-8", newline="") as f:
+                    columns[path] = tuple(sorted(next(csv.reader(f), [])))
+        except (OSError, ValueError, TypeError, StopIteration):
+            continue
+    return columns
 
 
 def _unreadable(name: str, builder: str, error: Exception) -> str:
