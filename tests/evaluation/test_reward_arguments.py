@@ -135,3 +135,31 @@ def test_a_function_that_cannot_be_had_is_one_line_naming_its_flag(tmp_path, mon
     assert stop.value.code == 2 and "Traceback" not in err, err
     assert [line for line in err.splitlines() if line.startswith("trl-distill")] == [f"trl-distill: error: {message}"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "__pycache__") == before  # nothing ran or was written
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_pass_at_k_leaves_out_the_prompts_without_a_reference(tiny_pair, n):
+    """Two of four eval rows have a null answer: their completions score None (left out, as TRL leaves out a None
+    reward, and as the warning says), so a student right on the other two has pass@1 1 (was 0.5: a prompt the
+    verifier could not judge counted as failed); the verifier's mean and the prompt count as before."""
+    from datasets import Dataset
+
+    from trl_distill.evaluation.generation import EvalSettings, GenerationEvaluation
+    from trl_distill.rollout.sampling import Sampling
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair["tokenizer"])
+    rows = Dataset.from_dict({"prompt": ["a", "b", "c", "d"], "answer": ["x", None, "y", None]})
+    verifier = Verifier("exact_match", exact_match("answer"), answer="answer")
+    settings = EvalSettings([verifier], "answer", n, Sampling(4, 1.0, 1.0, 0), 4, None, 0)
+    answers = {"a": "x", "b": "z", "c": "y", "d": "z"}  # the student writes each row's answer (or z: no reference)
+
+    def sample(batch, sampling):
+        return None, [torch.tensor(tokenizer(answers[p])["input_ids"] + [tokenizer.eos_token_id]) for p in batch]
+
+    evaluation = GenerationEvaluation(settings, tokenizer, 0, 1, lambda indices: [rows[i]["prompt"] for i in indices],
+                                      sample, None, lambda totals: totals, conversational=False)
+    metrics = evaluation.run(rows)
+    assert metrics["pass@1"] == 1.0 and metrics["rewards/exact_match/mean"] == 1.0
+    assert metrics["generation_prompts"] == 4
+    if n == 2:
+        assert metrics["pass@2"] == 1.0

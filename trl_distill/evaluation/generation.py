@@ -27,9 +27,12 @@ from .verifiers import answer_column, resolve_verifiers
 logger = logging.getLogger("trl_distill")
 CHECKED_ROWS = 8  # the first rows of an eval split each verifier is tried on before training
 
-# The per-rank sums an evaluation adds up (then reduced over ranks): prompts, Σ c/n (pass@1), Σ [c > 0] (pass@n),
-# completions, their tokens, those ended by EOS; then each verifier's score sum and count.
-_FIXED = ("prompts", "pass_1", "pass_n", "completions", "tokens", "ended")
+# The per-rank sums an evaluation adds up (then reduced over ranks): prompts, Σ c/j (pass@1, over the prompts the
+# first verifier judged j > 0 of the n completions of), Σ [c > 0] (pass@n, over the prompts it judged all n of),
+# completions, their tokens, those ended by EOS, the prompts judged at all and those judged whole; then each
+# verifier's score sum and count. (A None score, a row without a reference, leaves its completion out, as TRL's
+# rewards do: not counted a failure.)
+_FIXED = ("prompts", "pass_1", "pass_n", "completions", "tokens", "ended", "judged", "judged_all")
 
 
 def gather_object(names: list) -> list:
@@ -184,6 +187,7 @@ class GenerationEvaluation:
             batch = self.collate(rows_of)
             prompts, columns = self.prompts_and_columns(subset)
             correct = torch.zeros(len(rows_of), dtype=torch.float64)
+            judged = torch.zeros(len(rows_of), dtype=torch.float64)  # the first verifier's non-None scores
             for generation in range(n):
                 seed = (settings.seed * 1_000_003 + index * 1_009 + generation) & (2**62 - 1)
                 sampling = Sampling(settings.sampling.max_new_tokens, settings.sampling.temperature,
@@ -206,16 +210,19 @@ class GenerationEvaluation:
                     sums[len(_FIXED) + 2 * i + 1] += len(valid)
                     if i == 0:
                         correct += torch.tensor([s is not None and s >= 1.0 for s in scores], dtype=torch.float64)
+                        judged += torch.tensor([s is not None for s in scores], dtype=torch.float64)
             if counted:
                 sums[0] += len(rows_of)
-                sums[1] += float((correct / n).sum())
-                sums[2] += sum(pass_at_k(n, int(c), n) for c in correct.tolist())
+                sums[1] += float((correct / judged.clamp(min=1)).sum())
+                sums[2] += sum(pass_at_k(n, int(c), n) for c, j in zip(correct.tolist(), judged.tolist(), strict=True)
+                               if j == n)
+                sums[6] += float((judged > 0).sum())
+                sums[7] += float((judged == n).sum())
         totals = self.reduce(torch.cat([sums, scored.sums, scored.counts]))
         fixed, verified = totals[: len(_FIXED)].tolist(), totals[len(_FIXED): len(sums)].tolist()
-        prompts = max(fixed[0], 1.0)
-        metrics = {"pass@1": fixed[1] / prompts}
+        metrics = {"pass@1": fixed[1] / max(fixed[6], 1.0)}
         if n > 1:
-            metrics[f"pass@{n}"] = fixed[2] / prompts
+            metrics[f"pass@{n}"] = fixed[2] / max(fixed[7], 1.0)
         for i, name in enumerate(names):
             if verified[2 * i + 1] > 0:
                 metrics[f"rewards/{name}/mean"] = verified[2 * i] / verified[2 * i + 1]
