@@ -8,7 +8,7 @@ import torch
 from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig
-from trl_distill.evaluation.calls import Verifier
+from trl_distill.evaluation.calls import Verifier, text_of
 from trl_distill.evaluation.verifiers import exact_match, regex_match
 from trl_distill.rollout.task_rewards import TaskRewards, reward_inputs
 
@@ -163,3 +163,38 @@ def test_pass_at_k_leaves_out_the_prompts_without_a_reference(tiny_pair, n):
     assert metrics["generation_prompts"] == 4
     if n == 2:
         assert metrics["pass@2"] == 1.0
+
+
+def gold(completions, completion, **kwargs):
+    """Compares with the reference completion column, as a user's function may."""
+    gold.seen = kwargs
+    return [float(text_of(c).strip() == reference.strip()) for c, reference in zip(completions, completion)]
+
+
+def test_the_reference_completion_reaches_a_function_as_the_dataset_holds_it(tiny_pair, tmp_path, monkeypatch):
+    """SFT appends EOS text to each prepared completion and adds its own columns: a function gets the row as written
+    (was: completion ' 3</s>', so a function comparing with it scored 0, and input_ids / labels beside it)."""
+    import sys
+    import types
+
+    from datasets import Dataset
+
+    from trl_distill.evaluation.generation import EvalSettings, GenerationEvaluation
+    from trl_distill.rollout.sampling import Sampling
+
+    monkeypatch.setitem(sys.modules, "gold_rewards", types.SimpleNamespace(gold=gold))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair["tokenizer"])
+    eos = tokenizer.eos_token
+    prepared = {"prompt": ["a", "b"], "completion": [f" 3{eos}", f" 4{eos}"], "input_ids": [[1, 2], [3, 4]],
+                "labels": [[-100, 2], [-100, 4]]}
+    args = DistillationConfig(output_dir=str(tmp_path / "out"), report_to="none", **SAMPLED,
+                              task_reward_funcs=["gold_rewards:gold"])
+    samples = [torch.tensor(tokenizer(text)["input_ids"]) for text in (" 3", " 5")]
+    assert TaskRewards(args, tokenizer, ["prompt", "completion"]).score(
+        {k: prepared[k] for k in ("prompt", "completion")}, samples, 1).tolist() == [1.0, 0.0]
+    rows = Dataset.from_dict(prepared)
+    settings = EvalSettings([Verifier("gold", gold)], None, 1, Sampling(4, 1.0, 1.0, 0), 4, None, 0)
+    evaluation = GenerationEvaluation(settings, tokenizer, 0, 1, lambda indices: list(indices),
+                                      lambda batch, sampling: (None, samples), None, lambda totals: totals, False)
+    assert evaluation.run(rows)["pass@1"] == 0.5
+    assert not {"input_ids", "labels"} & set(gold.seen)

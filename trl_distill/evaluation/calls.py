@@ -24,6 +24,9 @@ from ..errors import ExternalError
 
 # Keyword names TRL's reward call fills itself: a dataset column of one of these names is not passed again
 CALL_NAMES = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
+# What SFT's preparation adds to a row (what its collators read): not the row's own columns a reward gets
+MODEL_COLUMNS = frozenset({"input_ids", "attention_mask", "labels", "completion_mask", "assistant_masks",
+                           "position_ids", "seq_lengths", "token_type_ids"})
 KEPT = " The last complete checkpoint is kept: fix the function and resume with --resume_from_checkpoint true."
 
 
@@ -48,6 +51,18 @@ def shortened(completion, width: int = 40) -> str:
 def plain(values) -> list:
     """`values` as a plain list (a `datasets.Column`, a tuple, a tensor's rows): what TRL's rewards receive."""
     return values if isinstance(values, list) else list(values)
+
+
+def as_written(columns: dict, eos: str | None) -> dict:
+    """Rows' columns (name -> list) as the dataset holds them, as TRL hands them to a reward: without the EOS text
+    SFT appends to each `completion` (and `text`) string of rows that are not conversations (a function comparing
+    with the reference ``completion`` would find ``' 3</s>'``), and without what SFT's preparation adds
+    (`MODEL_COLUMNS`: ``input_ids``, ``labels``, ...)."""
+    def unended(value):
+        return value[: -len(eos)] if isinstance(value, str) and eos and value.endswith(eos) else value
+
+    return {name: [unended(v) for v in values] if name in ("completion", "text") else values
+            for name, values in columns.items() if name not in MODEL_COLUMNS}
 
 
 def first_line(error: BaseException) -> str:

@@ -20,7 +20,7 @@ import torch
 
 from ..loss.diagnostics import LossDiagnostics
 from ..rollout.sampling import Sampling
-from .calls import RewardLogs, Verifier, plain, text_of
+from .calls import RewardLogs, Verifier, as_written, plain, text_of
 from .references import check_references
 from .verifiers import answer_column, resolve_verifiers
 
@@ -151,8 +151,9 @@ class GenerationEvaluation:
                 warn_if_never_credited(verifier, scores, completions, split)
 
     def prompts_and_columns(self, rows) -> tuple[list, dict]:
-        """The rows' prompts and columns as TRL hands them to a reward function: plain lists."""
-        columns = {name: plain(rows[name]) for name in rows.column_names}
+        """The rows' prompts and columns as TRL hands them to a reward function: plain lists, as the dataset holds
+        them (`as_written`: no EOS SFT appended, none of the columns its preparation added)."""
+        columns = as_written({name: plain(rows[name]) for name in rows.column_names}, self.tokenizer.eos_token)
         prompts = columns.get("prompt")
         if prompts is None:  # conversational rows: the messages before the first assistant turn (what is completed)
             prompts = [before_first_answer(m) for m in columns["messages"]] if "messages" in columns \

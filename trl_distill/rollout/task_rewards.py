@@ -12,15 +12,13 @@ from __future__ import annotations
 import torch
 
 from ..data.batch import Held
-from ..evaluation.calls import RewardLogs, plain
+from ..evaluation.calls import MODEL_COLUMNS, RewardLogs, as_written, plain
 from ..evaluation.generation import before_first_answer, gather_object, reference_completions
 from ..evaluation.references import check_references
 from ..evaluation.verifiers import answer_column, resolve_verifiers
 
 TASK_COLUMNS, TASK_REWARDS = "task_columns", "task_rewards"  # batch keys: the rows' columns, the samples' rewards
-# What the SFT collators read of a prepared row; every other column is the row's own, handed to the reward functions
-MODEL_COLUMNS = {"input_ids", "attention_mask", "labels", "completion_mask", "assistant_masks", "position_ids",
-                 "seq_lengths", "token_type_ids"}
+
 
 
 class TaskColumnsCollator:
@@ -77,9 +75,10 @@ def check_task_rewards(args, dataset, columns: list[str], processing_class, stat
     if not hasattr(dataset, "__len__") or not hasattr(dataset, "select") or not len(dataset):
         return
     rows = dataset.select(range(min(2, len(dataset))))
-    values = {name: plain(rows[name]) for name in columns if name in rows.column_names}
-    prompts, conversational = reward_inputs(values)
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    values = as_written({name: plain(rows[name]) for name in columns if name in rows.column_names},
+                        tokenizer.eos_token)
+    prompts, conversational = reward_inputs(values)
     completions, ids = reference_completions(values, len(rows), tokenizer, conversational)
     for verifier in task_verifiers(args, columns):  # (what they log here is of the references: dropped)
         verifier.score(prompts or [None] * len(rows), completions, values, "on the first rows of the train dataset "
@@ -101,6 +100,7 @@ class TaskRewards:
         """``[B]`` rewards of the sampled `completions` of rows whose own columns are `columns`, at optimizer step
         `step` (the Trainer's `state`: TRL's ``trainer_state``); a function that raises or returns other than a
         finite number (or None) per completion is one line."""
+        columns = as_written(columns, self.tokenizer.eos_token)  # (the reference completion without SFT's EOS)
         eos = self.tokenizer.eos_token_id
         ids = [c.tolist() for c in completions]
         texts = [self.tokenizer.decode([t for t in row if t != eos], skip_special_tokens=True) for row in ids]
