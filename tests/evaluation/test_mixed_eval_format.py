@@ -27,8 +27,8 @@ def test_an_eval_file_of_another_format_beside_the_train_file_is_one_line(tiny_p
                              "--eval_strategy", "steps", "--eval_steps", "1", "--eval_reward_funcs", "exact_match"],
                             capsys)
     assert code == 2 and "Traceback" not in err, err[-3000:]
-    assert errors == [f"trl-distill: error: The data files of --dataset_name {data} have different columns (train.jsonl: "
-                      "answer, completion, prompt; test.jsonl: answer, messages), and datasets loads a directory's "
-                      "files with one set of columns: write every file in one format (prompt-completion: prompt, "
-                      "completion; conversational: messages), the same columns in each."]
+    assert errors == [f"trl-distill: error: The data files of --dataset_name {data} have different columns ("
+                      "train.jsonl: answer, completion, prompt; test.jsonl: answer, messages), and datasets loads a "
+                      "directory's files with one set of columns: write every file in one format (prompt-completion: "
+                      "prompt, completion; conversational: messages), the same columns in each."]
     assert snapshot(data) == before and not out.exists()
