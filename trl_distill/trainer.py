@@ -25,6 +25,7 @@ from .loss.settings import LossSettings
 from .model.fused_forward import add_fused_distillation_forward
 from .model.logit_check import LogitPaths
 from .rollout.learning_rate import warn_learning_rate
+from .rollout.objective_fields import refuse_own_text
 from .rollout.on_policy import (
     DATASET,
     CompletionSampler,
@@ -97,6 +98,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         check_output_dir(args.output_dir, run_inputs(args, model, teacher_model, (train_dataset, eval_dataset)))
         refuse_if_locked(args)  # another live run holds output_dir: one line on every rank before anything loads
         check_dataset_not_empty(train_dataset, "train", "given")
+        refuse_own_text(args, teacher_model is not None)  # (a teacher the arguments name: as the config is built)
         self.teacher = resolve_teacher(teacher_model, args, student=model, processing_class=processing_class,
                                        eval_dataset=eval_dataset, peft_config=peft_config)  # the one teacher source
         train_dataset = self.teacher.route_rows(train_dataset, eval_dataset)  # several teachers: each row's

@@ -198,3 +198,31 @@ def test_the_reference_completion_reaches_a_function_as_the_dataset_holds_it(tin
                                       lambda batch, sampling: (None, samples), None, lambda totals: totals, False)
     assert evaluation.run(rows)["pass@1"] == 0.5
     assert not {"input_ids", "labels"} & set(gold.seen)
+
+
+@pytest.mark.parametrize("flags, reward", [([], ""), (["--on_policy_objective", "sampled_token", "--task_reward_funcs",
+                                                       "exact_match"], " (and the task reward with it)")],
+                         ids=["divergence", "sampled_token"])
+def test_alpha_0_on_the_students_own_samples_is_one_line(tmp_path, capsys, flags, reward):
+    """With a teacher, alpha=0 and lmbda=1 trained the cross-entropy of the student's own samples alone (the
+    teacher's judgement and the task reward weighted 0), and ended 'Student trained on the cross-entropy alone'."""
+    from trl_distill.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--model_name_or_path", "student", "--teacher_model_name_or_path", "teacher", "--dataset_name",
+              "data.jsonl", "--output_dir", str(tmp_path / "out"), "--report_to", "none", "--alpha", "0", "--lmbda",
+              "1", "--temperature", "1", *flags])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err, err
+    assert [line for line in err.splitlines() if line.startswith("trl-distill")] == [
+        "trl-distill: error: alpha=0 trains on the cross-entropy alone, and with lmbda=1.0 the completions are the "
+        f"student's own samples: it would learn its own text, the teacher's judgement of it weighted 0{reward}. Set "
+        "alpha > 0 (1: the teacher's signal alone), or lmbda=0."]
+    assert not (tmp_path / "out").exists()
+    DistillationConfig(output_dir=str(tmp_path / "seq"), report_to="none", alpha=0.0, seq_kd=True,
+                       teacher_model_name_or_path="teacher")  # sequence-level KD on the teacher's samples: kept
+    with pytest.raises(ValueError, match="alpha=0 trains on the cross-entropy alone"):
+        from trl_distill import DistillationTrainer
+
+        DistillationTrainer("student", teacher_model="teacher", args=DistillationConfig(
+            output_dir=str(tmp_path / "api"), report_to="none", alpha=0.0, lmbda=0.5))
