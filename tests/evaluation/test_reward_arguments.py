@@ -226,3 +226,32 @@ def test_alpha_0_on_the_students_own_samples_is_one_line(tmp_path, capsys, flags
 
         DistillationTrainer("student", teacher_model="teacher", args=DistillationConfig(
             output_dir=str(tmp_path / "api"), report_to="none", alpha=0.0, lmbda=0.5))
+
+
+def test_a_sampled_token_run_records_and_reports_its_objective(tmp_path):
+    """The run record (checkpoints, `trl-distill report`) named only `divergence: forward_kl` for a sampled-token run
+    that never used it: it records the objective, the task rewards and the teacher prompt, and a resume under
+    another objective is refused as another set-up."""
+    import json
+
+    from trl_distill.report.history import load_history
+    from trl_distill.report.summary import summary
+    from trl_distill.runtime.checkpoints import MARKER, check_resume, run_record
+
+    args = DistillationConfig(output_dir=str(tmp_path / "out"), report_to="none", **SAMPLED,
+                              task_reward_funcs=["exact_match"])
+    record = run_record(args, "teacher", 1, False)
+    assert {k: record["settings"][k] for k in ("on_policy_objective", "task_reward_funcs", "teacher_prompt")} == {
+        "on_policy_objective": "sampled_token", "task_reward_funcs": ["exact_match"], "teacher_prompt": None}
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    checkpoint.mkdir(parents=True)
+    divergence = run_record(DistillationConfig(output_dir=str(tmp_path / "out"), report_to="none", lmbda=1.0,
+                                               temperature=1.0), "teacher", 1, False)
+    (checkpoint / MARKER).write_text(json.dumps({"run": divergence}))
+    with pytest.raises(ValueError, match="on_policy_objective: 'divergence' there, 'sampled_token' now"):
+        check_resume(str(checkpoint), record)
+    state = {"global_step": 1, "max_steps": 1, "log_history": [{"step": 1, "loss": 1.0, "policy_loss": 0.5}]}
+    (tmp_path / "out" / "trainer_state.json").write_text(json.dumps(state))
+    (tmp_path / "out" / "trl_distill_run.json").write_text(json.dumps(record))
+    text = summary(load_history(str(tmp_path / "out")))
+    assert "- on_policy_objective: sampled_token" in text and "- task_reward_funcs: ['exact_match']" in text

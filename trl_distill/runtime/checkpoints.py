@@ -135,7 +135,7 @@ def resolve_resume(resume_from_checkpoint: str | bool | None, output_dir: str) -
 
 
 RECORDED_SETTINGS = ("divergence", "temperature", "alpha", "beta", "skew_alpha", "kd_temperature_scaling", "lmbda",
-                     "seq_kd", "teacher_cache")
+                     "seq_kd", "teacher_cache", "on_policy_objective", "task_reward_funcs", "teacher_prompt")
 # Config entries that do not shape the weights (ids, dtype, runtime switches): left out of the architecture hash
 _NOT_ARCHITECTURE = {"transformers_version", "dtype", "torch_dtype", "attn_implementation", "use_cache",
                      "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
