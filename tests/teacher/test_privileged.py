@@ -129,3 +129,17 @@ def test_a_missing_column_and_the_self_teacher_are_one_line(tiny_pair, tmp_path)
     with pytest.raises(ValueError, match=r"or a served one, not 'self' or a cache"):
         make(tiny_pair, tmp_path, teacher="self", teacher_prompt=HINT,
              peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+
+
+def test_a_whole_number_read_as_a_float_is_written_as_the_file_wrote_it(tiny_pair, tmp_path):
+    """A JSON column of numbers with one fraction loads 3 as 3.0: the teacher reads 'The answer is 3.' (was: '3.0.')."""
+    data = synthetic_prompt_completion(16)
+    data = data.add_column("answer", [2.5] + [float(i) for i in range(1, 16)])
+    settings = tiny_run_settings(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=1,
+                                 save_strategy="no", use_cpu=True, teacher_prompt="{prompt} The answer is {answer}.")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair["tokenizer"])
+    trainer = DistillationTrainer(tiny_pair["student"], tiny_pair["teacher"], args=DistillationConfig(**settings),
+                                  train_dataset=data, processing_class=tokenizer)
+    prompts = trainer.train_dataset[TEACHER_PROMPT]
+    assert prompts[0] == tokenizer(f"{data[0]['prompt']} The answer is 2.5.")["input_ids"]
+    assert prompts[3] == tokenizer(f"{data[3]['prompt']} The answer is 3.")["input_ids"]

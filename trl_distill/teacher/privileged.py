@@ -16,7 +16,7 @@ import torch
 
 from ..data.batch import Held
 from .base import TeacherBatch, TeacherSource
-from .teacher_prompts import FLAG, check_teacher_prompts, prompt_problem, splits, template_fields
+from .teacher_prompts import FLAG, check_teacher_prompts, prompt_problem, splits, template_fields, template_values
 
 TEACHER_PROMPT = "teacher_prompt_ids"  # the prepared column and the batch key: each row's teacher prompt, tokenized
 
@@ -47,7 +47,7 @@ def teacher_prompt_of(spec: str, row: dict, split: str, index: int):
     if missing:
         raise ValueError(f"{FLAG} {spec!r} reads {missing}, which row {index} of the prepared {split} dataset does "
                          f"not have ({', '.join(row)}): use prompt-completion rows that keep it.")
-    return row[spec] if fields is None else spec.format(**{name: row[name] for name in fields})
+    return row[spec] if fields is None else spec.format(**template_values({name: row[name] for name in fields}))
 
 
 def as_written(row: dict, eos: str | None) -> dict:

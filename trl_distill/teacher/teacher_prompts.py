@@ -108,13 +108,20 @@ def prompt_problem(spec: str, fields: list[str] | None, row: dict, empty_has_tok
                 return (f"holds {_kind(value)} in the column {name!r}, and a template fills in text: give a string "
                         f"or a number, or name a column of messages as the whole {FLAG}")
         try:
-            text = spec.format(**row)
+            text = spec.format(**template_values(row))
         except (ValueError, TypeError) as error:
             return f"cannot fill the template ({error}): fix its format spec, or the column's values"
     if not text and not empty_has_tokens:
         return ("gives an empty teacher prompt, so the teacher has no token before the completion to predict its "
                 f"first token from: fill the column{'' if fields is None else 's'}, or drop those rows")
     return None
+
+
+def template_values(row: dict) -> dict:
+    """A row's values as a template writes them: a whole number read as a float (a JSON or CSV column of numbers that
+    also holds a fraction is all floats: ``3`` is loaded as 3.0) as the integer, as the dataset's file wrote it."""
+    return {name: int(value) if isinstance(value, float) and value.is_integer() else value
+            for name, value in row.items()}
 
 
 def _kind(value) -> str:
