@@ -3,6 +3,8 @@ edits its argument lists in place, an ``async def`` function (TRL awaits those),
 row's completions as messages (TRL's ``[{"role": "assistant", ...}]``), an answer column of numbers loaded as floats
 (``3`` read 3.0), and a function named by its file or by a model's path: one line naming the flag."""
 
+import sys
+
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -128,12 +130,16 @@ def test_a_function_that_cannot_be_had_is_one_line_naming_its_flag(tmp_path, mon
     (tmp_path / "script_rewards.py").write_text("import argparse\nargparse.ArgumentParser().parse_args()\n")
     monkeypatch.chdir(tmp_path)
     before = sorted(p.name for p in tmp_path.iterdir())
+    argv = ["--model_name_or_path", "student", "--dataset_name", "data.jsonl", "--output_dir", "out", "--report_to",
+            "none", *flags]
+    monkeypatch.setattr(sys, "argv", ["trl-distill", *argv])  # what the script's parse_args() reads, as on the CLI
     with pytest.raises(SystemExit) as stop:
-        main(["--model_name_or_path", "student", "--dataset_name", "data.jsonl", "--output_dir", "out",
-              "--report_to", "none", *flags])
+        main(argv)
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "Traceback" not in err, err
-    assert [line for line in err.splitlines() if line.startswith("trl-distill")] == [f"trl-distill: error: {message}"]
+    ours = [line for line in err.splitlines() if line.startswith("trl-distill") and  # (not the script's argparse
+            not line.startswith("trl-distill: error: unrecognized arguments")]  # line, which it prints as it exits)
+    assert ours == [f"trl-distill: error: {message}"] and err.rstrip().endswith(ours[0])
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "__pycache__") == before  # nothing ran or was written
 
 
