@@ -48,3 +48,21 @@ def test_sigterm_names_the_checkpoint_to_resume_and_exits_143(tiny_pair, tmp_pat
     empty.mkdir()
     assert kept_checkpoint(str(empty)) == (f"no complete checkpoint in {empty} yet: the same command starts again "
                                            "from step 0.")
+
+
+def test_the_hf_jit_checkpoints_progress_file_is_not_one_of_its_files(tmp_path):
+    """The HF Trainer's JIT checkpoint writes `checkpoint-is-incomplete.txt` before it saves (so our marker, written
+    inside the save, saw it) and removes it after: the checkpoint is whole once it is gone, not while it is there
+    (it was never whole: a resume skipped every JIT checkpoint)."""
+    from trl_distill.runtime.checkpoints import JIT_IN_PROGRESS, is_complete, mark_complete
+
+    checkpoint = tmp_path / "checkpoint-7"
+    checkpoint.mkdir()
+    (checkpoint / JIT_IN_PROGRESS).write_text("Checkpoint started at step 7 and in progress...")
+    (checkpoint / "model.safetensors").write_bytes(b"weights")
+    mark_complete(str(checkpoint))
+    assert not is_complete(str(checkpoint))  # still saving
+    (checkpoint / JIT_IN_PROGRESS).unlink()
+    assert is_complete(str(checkpoint))
+    (checkpoint / "model.safetensors").write_bytes(b"cut")
+    assert not is_complete(str(checkpoint))

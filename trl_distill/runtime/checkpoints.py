@@ -34,6 +34,11 @@ class ReliabilityFields:
     )
 
 
+# What the HF Trainer's JIT checkpoint (`--enable_jit_checkpoint`, transformers 5.x trainer_jit_checkpoint.py)
+# writes in a checkpoint while it saves it and removes once saved: not one of its files, and a sign it is not whole
+JIT_IN_PROGRESS = "checkpoint-is-incomplete.txt"
+
+
 def _files(directory: str) -> dict[str, int]:
     sizes = {}
     for root, _, names in os.walk(directory):
@@ -42,6 +47,7 @@ def _files(directory: str) -> dict[str, int]:
             sizes[os.path.relpath(path, directory)] = os.path.getsize(path)
     sizes.pop(MARKER, None)
     sizes.pop(MARKER + ".tmp", None)
+    sizes.pop(JIT_IN_PROGRESS, None)
     return sizes
 
 
@@ -60,6 +66,8 @@ def is_complete(checkpoint: str) -> bool:
         with open(os.path.join(checkpoint, MARKER)) as f:
             recorded = json.load(f)["files"]
     except (OSError, ValueError, KeyError):
+        return False
+    if os.path.exists(os.path.join(checkpoint, JIT_IN_PROGRESS)):
         return False
     present = _files(checkpoint)
     return all(present.get(name) == size for name, size in recorded.items())
