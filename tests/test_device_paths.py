@@ -228,13 +228,14 @@ def test_teacher_rows_of_a_batch_on_the_device():
     """A teacher prompt's rows (its prompts stay on the host, `Held`), a served teacher's request rows and a routed
     teacher's own rows, from a batch prepared onto the device."""
     from trl_distill.data.batch import Held
+    from trl_distill.teacher.base import TeacherSource
     from trl_distill.teacher.panel import own_rows
     from trl_distill.teacher.privileged import TEACHER_PROMPT, PrivilegedTeacher, teacher_rows
     from trl_distill.teacher.served import loss_rows
 
     prompts = [torch.tensor([1, 2, 3]), torch.tensor([4])]  # host tensors, as the collator made them
 
-    class Inner:
+    class Inner(TeacherSource):  # the core only: no collator of its own (its `pop_batch` is never asked)
         def for_batch(self, inputs, own, mask, keep):
             return SimpleNamespace(inputs=inputs, mask=mask, keep=keep)
 

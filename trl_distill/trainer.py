@@ -45,6 +45,7 @@ from .runtime.log_setup import setup_logging
 from .runtime.metrics import DistillMetrics, TrainingBounds
 from .runtime.run_lock import refuse_if_locked, take_run_lock
 from .runtime.validation import StepFlags, check_dataset_not_empty, check_output_dir, run_inputs, shared_vocab_size
+from .teacher import capabilities as can
 from .teacher import resolve_teacher
 from .teacher.live import STUDENT
 
@@ -101,8 +102,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         refuse_own_text(args, teacher_model is not None)  # (a teacher the arguments name: as the config is built)
         self.teacher = resolve_teacher(teacher_model, args, student=model, processing_class=processing_class,
                                        eval_dataset=eval_dataset, peft_config=peft_config)  # the one teacher source
-        train_dataset = self.teacher.route_rows(train_dataset, eval_dataset)  # several teachers: each row's
-        processing_class = processing_class or self.teacher.student_tokenizer
+        train_dataset = can.routed_rows(self.teacher, train_dataset, eval_dataset)  # several teachers: each row's
+        processing_class = processing_class or can.student_tokenizer_of(self.teacher)
         if args.assistant_only_loss is None:
             processing_class = processing_class or prepare.student_tokenizer(model, train_dataset)
             args.assistant_only_loss = prepare.resolve_assistant_only_loss(None, train_dataset, processing_class)
@@ -122,10 +123,10 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         add_fused_distillation_forward(self.student)
         try:
             validation.check_router_aux_loss(self.student, self.aux_loss_enabled, args)  # an MoE student's
-            self.vocab_size = shared_vocab_size(self.student.config, self.teacher.vocab_config(self.student.config),
-                                                self.processing_class)
-            self.logit_paths = LogitPaths(self.accelerator, self.teacher.logit_candidates, args.bf16 or args.fp16,
-                                          self.vocab_size)  # each model's, settled on the first batch
+            teacher_vocab = can.vocab_config_of(self.teacher, self.student.config)  # its own, else the student's
+            self.vocab_size = shared_vocab_size(self.student.config, teacher_vocab, self.processing_class)
+            self.logit_paths = LogitPaths(self.accelerator, can.logit_candidates_of(self.teacher),
+                                          args.bf16 or args.fp16, self.vocab_size)  # each model's, on the first batch
             # what collaborators receive instead of the trainer (calls go down: none calls back, none changes it)
             self.layouts = LayoutMemo()  # where each micro-batch's loss tokens are: one host read per step
             self.context = RunContext(
@@ -133,13 +134,13 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
                 lambda examples: self.data_collator(examples), self.prepared_inputs, lambda: self.processing_class,
                 self.vocab_size, self.logit_paths, layouts=self.layouts, deferred=StepFlags())
             self.teacher.attach(self.context)  # its fit checks
-            self.train_dataset = self.teacher.train_rows(self.train_dataset)  # e.g. a cache's row numbers
+            self.train_dataset = can.train_rows_of(self.teacher, self.train_dataset)  # e.g. a cache's row numbers
             sequence_parallel.check_sharded_attention(self.student, args, "student")  # long rows split over ranks
             # the collators, composed once: SFT's (or the caller's) innermost, then the teacher kind's, then
             # sequence parallelism's position ids outermost
-            self.data_collator = sequence_parallel.collator(self.teacher.collator(self.data_collator), args)
-            task_columns = reward_columns(args, self.train_dataset, self.teacher.columns) if args.task_reward_funcs \
-                else None
+            self.data_collator = sequence_parallel.collator(can.collator_of(self.teacher, self.data_collator), args)
+            task_columns = reward_columns(args, self.train_dataset, can.columns_of(self.teacher)) \
+                if args.task_reward_funcs else None
             if task_columns is not None:  # the rows' own columns travel with the batch, for the reward functions
                 self.data_collator = TaskColumnsCollator(self.data_collator, task_columns)
             if not streamed(self.train_dataset, self.eval_dataset):  # (accelerate dispatches a stream's batches
@@ -188,7 +189,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         accelerator_args = super()._build_accelerator_args(**kwargs)
         student_plugin = accelerator_args.get("deepspeed_plugin")
         refuse_zero3_student_sampling(self.args, student_plugin)
-        teacher_plugins = self.teacher.plugins(self.args, student_plugin)
+        teacher_plugins = can.plugins_of(self.teacher, self.args, student_plugin)
         if teacher_plugins:
             accelerator_args["deepspeed_plugin"] = {STUDENT: student_plugin, **teacher_plugins}
         if accelerator_args.get("deepspeed_plugin") is not None and compat.earlier_deepspeed_plugins() is not None:
@@ -239,15 +240,15 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
 
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
-        for column in self.teacher.columns:  # what the teacher's collator reads (a cache row, the teacher's ids)
+        for column in can.columns_of(self.teacher):  # what the teacher's collator reads (a cache row, its own ids)
             self.keep_dataset_column(column)
         if self.args.task_reward_funcs:  # the reward functions read the rows' own columns
-            for column in row_columns(self.train_dataset, self.teacher.columns):
+            for column in row_columns(self.train_dataset, can.columns_of(self.teacher)):
                 self.keep_dataset_column(column)
 
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
         dataset = super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
-        return self.teacher.prepare_dataset(dataset, dataset_name)  # e.g. the teacher's own ids, aligned
+        return can.prepared_for(self.teacher, dataset, dataset_name)  # e.g. the teacher's own ids, aligned
 
     def get_train_dataloader(self):
         self.prepare_teacher()  # after `train()`'s free_memory(), on every rank
@@ -299,12 +300,13 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         sampling = Sampling(args.eval_max_new_tokens or args.max_new_tokens, eval_sampling_temperature(args),
                             args.generation_top_p, args.generation_top_k)
         view = self.model_columns(dataset)  # what the collator gets, as from the eval DataLoader
+        scores = self.teacher.capability(can.ScoresSamples)  # (a cache cannot score the student's samples)
 
         def collate(indices):
             return self.prepared_inputs(self.data_collator([view[i] for i in indices]))
 
         def sample(batch, settings):
-            return self.sampler.sample(STUDENT_SAMPLES, batch, settings, score=self.teacher.scores_samples)
+            return self.sampler.sample(STUDENT_SAMPLES, batch, settings, score=scores is not None)
 
         def reduce(totals):
             if accelerator.num_processes == 1:
@@ -314,7 +316,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         return GenerationEvaluation(eval_settings(args, sampling, dataset), tokenizer,
                                     accelerator.process_index, accelerator.num_processes, collate, sample,
-                                    self.score_samples if self.teacher.scores_samples else None, reduce,
+                                    self.score_samples if scores is not None else None, reduce,
                                     len(dataset) > 0 and is_conversational(dataset[0]))
 
     def score_samples(self, batch: dict):
@@ -350,7 +352,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
             num_items_in_batch = sequence_parallel.sharded_token_count(self.context, batch_samples, device,
                                                                        num_items_in_batch)
         self.measure_loss_tokens(batch_samples)
-        self.teacher.before_step(batch_samples)  # (the training loop is the only caller, in transformers 5.24)
+        if (hooks := self.teacher.capability(can.StepHooks)) is not None:  # (the training loop is the only caller)
+            hooks.before_step(batch_samples)
         return batch_samples, num_items_in_batch
 
     def measure_loss_tokens(self, batch_samples: list[dict]) -> None:
@@ -382,7 +385,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         (``router_aux_loss_coef``)."""
         args = self.args
         inputs.pop(LOSS_LAYOUT, None)  # (evaluation: where the loss tokens are is found below)
-        extras = self.teacher.pop_batch(inputs)  # what the teacher's collator added; the student must not see it
+        extras = can.popped(self.teacher, inputs)  # what the teacher's collator added; the student must not see it
         correction = self.sampler.pop_correction(inputs)  # sampled by the rollout engine: its log-probs
         sampled = self.sampler.objective_job(inputs, self.model.training)  # the sampled-token objective, if so
         model_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
@@ -401,7 +404,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
                           rows=layout.rows)  # inside the student's forward
         routed = {"output_router_logits": True} if self.aux_loss_enabled else {}  # the aux loss, same forward
         kd, ce, aux = model(**model_inputs, **routed, fused_distillation=loss_fn, loss_positions=keep)
-        self.teacher.after_loss()
+        if (hooks := self.teacher.capability(can.StepHooks)) is not None:
+            hooks.after_loss()
         self.sampler.observe(correction, sampled)
         if args.kd_temperature_scaling:
             kd = kd * args.temperature**2
@@ -420,7 +424,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         if num_items_in_batch is None and self.model.training:
             # a per-micro-batch mean: the Trainer divides the loss by the accumulation steps; log alike
             kd, ce = kd / self.current_gradient_accumulation_steps, ce / self.current_gradient_accumulation_steps
-        self.metrics.record_teachers(kd, self.teacher.kd_parts(), self.teacher.own_metrics())  # several teachers
+        self.metrics.record_teachers(kd, self.teacher.capability(can.OwnMetrics))  # several teachers: each one's
         self.metrics.record(kd, ce, target.shape[0], loss, on_policy=self.model.training and self.sampler.on_policy,
                             aux=aux)  # last: at a step's last micro-batch the guards read its checks and totals
         if return_outputs:

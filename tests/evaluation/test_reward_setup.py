@@ -20,6 +20,7 @@ from trl_distill.evaluation.generation import EvalSettings, GenerationEvaluation
 from trl_distill.evaluation.verifiers import resolve_verifiers
 from trl_distill.rollout.sampling import Sampling
 from trl_distill.rollout.task_rewards import TaskColumnsCollator, TaskRewards, row_columns
+from trl_distill.teacher.capabilities import columns_of
 from trl_distill.testing import build_tokenizer, tiny_run_settings
 
 BROKEN = '''
@@ -104,7 +105,7 @@ def reward(prompts, completions, **kwargs):
     assert set_up["completion_ids"] == [tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                                         for c in set_up["completions"]]
     assert set_up["trainer_state"] is trainer.state
-    collate = TaskColumnsCollator(lambda examples: {}, row_columns(trainer.train_dataset, trainer.teacher.columns))
+    collate = TaskColumnsCollator(lambda examples: {}, row_columns(trainer.train_dataset, columns_of(trainer.teacher)))
     columns = collate([rows[i] for i in range(2)])["task_columns"].value  # as a training batch carries them
     samples = [torch.tensor(ids) for ids in set_up["completion_ids"]]
     rewards = trainer.sampler.task_rewards.score(columns, samples, 1, trainer.state)

@@ -83,3 +83,20 @@ def test_self_twice_in_a_teacher_list_is_one_line(tmp_path):
     assert [spec.kind for spec in config(tmp_path, teachers=["a=self", "b=/m"]).teachers] == ["self", "model"]
     with pytest.raises(ValueError, match=r"teachers: \['a', 'c'\] are all 'self': the student's base is one teacher"):
         config(tmp_path, teachers=["a=self", "b=/m", "c=self"])
+
+
+def test_the_registry_alone_names_the_kinds(monkeypatch):
+    """A registered kind is one that a NAME=SOURCE entry, a spec and the support matrix know, by its form and its
+    rows: there is no other table of kinds."""
+    from trl_distill.teacher import support_matrix
+    from trl_distill.teacher.kinds import SourceForm
+    from trl_distill.teacher.specs import parse_teacher
+
+    monkeypatch.setitem(TEACHER_KINDS, "echo", TeacherKind("echo", CachedTeacher, lambda spec, context: None,
+                                                           form=SourceForm("server", prefixes=("echo://",))))
+    spec = parse_teacher("e=echo://x")
+    assert (spec.server, spec.kind, spec.entry()) == ("echo://x", "echo", "e=echo://x")
+    assert [parse_teacher(f"t={source}").kind for source in ("http://h:8000", "cache:/c", "self", "/m")] == [
+        "server", "cache", "self", "model"]
+    assert list(support_matrix()) == ["live (ZeRO-3)", "self", "cache", "served (vLLM)", "echo", "cross-tokenizer"]
+    assert support_matrix()["echo"] == support_matrix()["cache"]  # its class's refusals

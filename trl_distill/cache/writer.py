@@ -1,6 +1,6 @@
 """Run the teacher once over the prepared training set and store its sparse signal (see `loss.sparse`) on disk.
 
-Works with any kind of teacher that writes a top-k (`TeacherSource.cache_records`): each shard's batches are dealt
+Works with any kind of teacher that writes a top-k (`teacher.capabilities.WritesCache`): each shard's batches are dealt
 to the ranks, rank 0 gathers the rows and writes the shard. A ZeRO-3 teacher stays partitioned over the ranks and
 every rank runs every forward (its gathers are collective); a served teacher gets each rank's batches through the
 run's collator (`teacher.served`), several requests in flight.
@@ -16,6 +16,7 @@ from collections.abc import Callable
 from accelerate.utils import broadcast_object_list, gather_object
 
 from ..runtime.run_lock import LOCK_NAME
+from ..teacher.capabilities import CACHE_REFUSAL, WritesCache, required
 from .manifest import MANIFEST, Manifest, dataset_fingerprint, tokenizer_hash
 from .shards import LOG_PROB_DTYPES, file_sha256, is_partial_shard, is_shard, shard_name, write_shard
 
@@ -32,14 +33,13 @@ def open_teacher_cache(context, teacher, dataset, directory: str, *, top_k: int 
         raise ValueError(f"top_k must be in [1, the vocabulary size {context.vocab_size}], got {top_k}.")
     if shard_rows < 1:
         raise ValueError(f"shard_rows must be >= 1, got {shard_rows}.")
-    if teacher.cache_refusal is not None:
-        raise ValueError(teacher.cache_refusal)
+    writer = required(teacher, WritesCache, CACHE_REFUSAL)  # a teacher model or server writes its top-k
     if "labels" not in dataset.column_names:
         raise ValueError("The prepared train dataset has no `labels` column; the cache needs SFT's dataset "
                          "preparation (an SFTConfig / DistillationConfig, not skip_prepare_dataset).")
     args, accelerator = context.args, context.accelerator
     manifest = Manifest(
-        teacher=teacher.name, teacher_revision=teacher.revision,
+        teacher=teacher.name, teacher_revision=writer.revision,
         tokenizer_hash=tokenizer_hash(context.processing_class), vocab_size=context.vocab_size, top_k=top_k,
         temperature=args.temperature, max_length=args.max_length, log_prob_dtype=log_prob_dtype,
         dataset_fingerprint=dataset_fingerprint(dataset), num_rows=len(dataset), shard_rows=shard_rows,
@@ -64,8 +64,9 @@ def fill_teacher_cache(context, teacher, dataset, directory: str, manifest: Mani
     top_k, log_prob_dtype = manifest.top_k, manifest.log_prob_dtype
     done = {shard["index"] for shard in manifest.shards}
     columns = dataset.select_columns(["input_ids", "labels"])
+    writer = required(teacher, WritesCache, CACHE_REFUSAL)
     if len(done) < manifest.num_shards:
-        teacher.open_for_cache(columns, top_k)  # collective for a teacher model
+        writer.open_for_cache(columns, top_k)  # collective for a teacher model
     batch_size = batch_size or args.per_device_eval_batch_size
     for index in range(manifest.num_shards):
         if index in done:
@@ -74,7 +75,7 @@ def fill_teacher_cache(context, teacher, dataset, directory: str, manifest: Mani
         batches = [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
         mine = batches[accelerator.process_index :: accelerator.num_processes]
         steps = -(-len(batches) // accelerator.num_processes)  # what every rank runs, for a collective teacher
-        records = teacher.cache_records(columns, mine, steps, batches[0], top_k, args.temperature)
+        records = writer.cache_records(columns, mine, steps, batches[0], top_k, args.temperature)
         records = gather_object(records) if accelerator.num_processes > 1 else records
         if accelerator.is_main_process:
             records.sort(key=lambda r: r["row"])

@@ -18,6 +18,7 @@ import torch
 from ..data.batch import Held
 from ..loss.rollout_correction import RolloutCorrection
 from ..loss.sampled_token import SampledTokenJob, SampledTokenSettings
+from ..teacher.capabilities import SEQ_KD_REFUSAL, Samples, SamplingServer, ScoresSamples, required
 from .sampling import Sampling, seeded
 from .task_rewards import TASK_COLUMNS, TASK_REWARDS
 
@@ -243,20 +244,22 @@ class CompletionSampler:
                 plugin = run.deepspeed_plugin
                 synced = processes > 1 and plugin is not None and plugin.zero_stage == 3
             else:
-                model, context, synced = self.teacher.generation(processes)
+                sampler = required(self.teacher, Samples, SEQ_KD_REFUSAL.format(self.teacher.describe()))
+                model, context, synced = sampler.generation(processes)
             with seeded(sampling.seed if sampling is not None else None, batch["input_ids"].device):
                 new_batch, completions = sample_completions(model, batch, kwargs, tokenizer.pad_token_id, eos_ids,
                                                             synced, context)
             new_batch = {k: v.to(batch["input_ids"].device) for k, v in new_batch.items()}
-        if score:
-            self.teacher.score_sampled(new_batch, batch)
+        if score and (scorer := self.teacher.capability(ScoresSamples)) is not None:
+            scorer.score_sampled(new_batch, batch)
         return new_batch, completions
 
     def _engine_for(self, source: str) -> EngineRollouts | None:
         """The vLLM server that samples `source`'s completions, if one does (else HF `generate`)."""
         if source == STUDENT:
             return self.engine
-        server = self.teacher.sampling_server()  # seq_kd from a served teacher: its own server
+        sampler = self.teacher.capability(SamplingServer)  # seq_kd from a served teacher: its own server
+        server = None if sampler is None else sampler.sampling_server()
         if server is not None and self.teacher_engine is None:
             from .engine_rollouts import EngineRollouts
 

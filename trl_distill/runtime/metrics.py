@@ -15,12 +15,14 @@ import torch
 from transformers import TrainerCallback
 
 from ..loss.diagnostics import INTERNAL, LossDiagnostics
+from ..teacher.capabilities import OwnEngine
 from .context import RunContext
 from .deepspeed_config import print_engine_configs
 from .guards import Guards
 
 if TYPE_CHECKING:
     from ..teacher.base import TeacherSource
+    from ..teacher.capabilities import OwnMetrics
 
 
 class DistillMetrics:
@@ -104,12 +106,14 @@ class DistillMetrics:
             values = run.accelerator.gather_for_metrics(value.detach().reshape(1).repeat(batch_size))
             self.eval_values(name).extend(values.tolist())
 
-    def record_teachers(self, kd: torch.Tensor, parts: dict | None, own: dict | None = None) -> None:
-        """Several teachers, in training: each one's part of this micro-batch's `kd` (its share of the KD sum, so the
-        parts add up to `kd_loss`), routed its loss tokens, and its own diagnostics (`own`, when measured)."""
+    def record_teachers(self, kd: torch.Tensor, teachers: OwnMetrics | None) -> None:
+        """Several teachers (`teachers`, a teacher's `OwnMetrics`; None without), in training: each one's part of this
+        micro-batch's `kd` (its share of the KD sum, so the parts add up to `kd_loss`), routed its loss tokens, and
+        its own diagnostics (when measured)."""
+        parts = None if teachers is None else teachers.kd_parts()
         if parts is None or not self.context.training:
             return
-        for name, measured in (own or {}).items():
+        for name, measured in (teachers.own_metrics() or {}).items():
             self.teacher_windows.setdefault(name, LossDiagnostics(self.context.device)).merge(measured)
         total = sum(part.to(kd.device) for part, _ in parts.values())
         for name, (part, tokens) in parts.items():
@@ -225,7 +229,8 @@ class TrainingBounds(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if not self.configs_printed and self.context.accelerator.is_main_process:
-            print_engine_configs(self.context.accelerator, self.teacher.config_notes)
+            engine = self.teacher.capability(OwnEngine)  # what was filled into the teacher's DeepSpeed config
+            print_engine_configs(self.context.accelerator, [] if engine is None else engine.config_notes)
         self.configs_printed = True
         self.metrics.restart(state.global_step)
 

@@ -11,6 +11,7 @@ import torch
 from ..cache.reader import TeacherCache
 from ..data.batch import SIGNAL, SignalHolder, pop_signal
 from .base import TeacherSource
+from .capabilities import OwnBatch, TrainRows
 from .rows import SparseRows
 from .support import TEACHER_PROMPT_REFUSAL
 
@@ -24,7 +25,7 @@ ON_POLICY_REFUSAL = ("A teacher cache holds the teacher's distribution on the da
                      "or set lmbda=0 and seq_kd=False.")
 
 
-class CachedTeacher(TeacherSource):
+class CachedTeacher(TeacherSource, TrainRows, OwnBatch):
     """The teacher cache at `directory` as the source of each batch's teacher signal."""
 
     row_column, signal_key = ROW, SIGNAL  # its dataset column and batch key (one per teacher when several teach)

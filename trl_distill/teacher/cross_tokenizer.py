@@ -27,6 +27,7 @@ from ..loss.settings import LossSettings
 from ..loss.signal import TeacherSignal
 from ..runtime.validation import check_teacher_finite
 from .base import TeacherBatch
+from .capabilities import OwnBatch, PreparesDataset, RoutesRows, StudentTokenizer, WritesCache, unrouted
 from .live import LiveTeacher
 from .privileged import prompt_tokens, teacher_prompt_of
 from .teacher_prompts import check_teacher_prompts, splits
@@ -44,13 +45,15 @@ _REFUSAL = ("A teacher with another tokenizer (cross-tokenizer distillation) doe
             "reads its own token ids of the dataset's completions.")
 
 
-class CrossTokenizerTeacher(LiveTeacher):
+class CrossTokenizerTeacher(LiveTeacher, RoutesRows, PreparesDataset, OwnBatch, StudentTokenizer):
     """A live teacher with another tokenizer: it reads its own token ids of each row, and the loss compares the two
     models on the aligned groups (`cross_tokenizer.loss.CrossTokenizerLoss`). Runs once per micro-batch."""
 
     columns = COLUMNS
     refused = {
         "packing": _REFUSAL.format("packing / padding_free"),
+        WritesCache: "`trl-distill cache-teacher` writes the teacher's top-k in the student's token ids; this teacher "
+        "has another tokenizer. Train with it live (cross-tokenizer distillation).",
     }
     batch_key = _BATCH  # what its collator adds to a batch
     routes_own_rows = False  # its own ids come with the whole batch (routed, the loss picks its rows)
@@ -68,6 +71,10 @@ class CrossTokenizerTeacher(LiveTeacher):
             raise ValueError("A teacher with another tokenizer (cross-tokenizer distillation) does not support seq_kd "
                              "yet: it would sample in its own tokens. Set seq_kd=False (on-policy lmbda > 0 works: "
                              "the student's samples are re-rendered for the teacher).")
+
+    def capability(self, capability):
+        """A live teacher's, but no cache: a cache holds the top-k in the student's ids (see `refused`)."""
+        return None if capability is WritesCache else super().capability(capability)
 
     def vocab_config(self, student_config):
         return student_config  # the student's own vocabulary: the teacher's is mapped onto it by bytes
@@ -96,9 +103,6 @@ class CrossTokenizerTeacher(LiveTeacher):
         check_teacher_finite(rows.states, self.context.accelerator, f"step {self.context.step + 1}")
         return rows
 
-    cache_refusal = ("`trl-distill cache-teacher` writes the teacher's top-k in the student's token ids; this teacher "
-                     "has another tokenizer. Train with it live (cross-tokenizer distillation).")
-
     def build_loss(self, student_vocab: int, teacher_vocab: int, settings: LossSettings, announce: bool = True) -> None:
         if len(self.teacher_tokenizer) > teacher_vocab:
             raise ValueError(f"The teacher's tokenizer has {len(self.teacher_tokenizer)} tokens but the teacher's "
@@ -122,7 +126,7 @@ class CrossTokenizerTeacher(LiveTeacher):
             for split, dataset in splits(train_dataset, eval_dataset):
                 check_teacher_prompts(self.args.teacher_prompt, dataset, split,
                                       lambda prompt: prompt_tokens(self.teacher_tokenizer, prompt))
-        return super().route_rows(train_dataset, eval_dataset)
+        return unrouted(train_dataset)
 
     def prepare_dataset(self, dataset, name: str):
         """The prepared `dataset` with the teacher's ids and each row's group positions (empty where the row's

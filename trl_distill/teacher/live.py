@@ -31,6 +31,16 @@ from ..runtime.deepspeed_config import build_teacher_config
 from ..runtime.sequence_parallel import check_sharded_attention
 from ..runtime.validation import check_model_path, check_teacher_finite, check_tokenizers_match, check_weights_complete
 from .base import TeacherSource
+from .capabilities import (
+    LogitChecked,
+    OwnEngine,
+    OwnRows,
+    OwnVocabulary,
+    Samples,
+    ScoresSamples,
+    StepHooks,
+    WritesCache,
+)
 from .rows import DenseRows
 from .step_pass import TeacherStepPass
 from .zero3_loading import load_partitioned, loadable
@@ -58,7 +68,8 @@ def teacher_plugin_selected(accelerator, name: str = TEACHER):
         accelerator.state.select_deepspeed_plugin(STUDENT)
 
 
-class LiveTeacher(TeacherSource):
+class LiveTeacher(TeacherSource, OwnEngine, OwnVocabulary, StepHooks, LogitChecked, ScoresSamples, Samples,
+                  WritesCache, OwnRows):
     """A frozen teacher model, loaded lazily and prepared exactly once (ZeRO-3 under DeepSpeed).
 
     Args:
@@ -96,8 +107,6 @@ class LiveTeacher(TeacherSource):
         self.held_whole = False  # beside a one-process DeepSpeed student: no ZeRO-3 engine
         self.whole_dtype: torch.dtype | None = None  # then: the dtype its engine would have cast it to
 
-
-
     @functools.cached_property
     def config(self):
         """The teacher's config, read without loading its weights."""
@@ -123,6 +132,11 @@ class LiveTeacher(TeacherSource):
 
     def describe(self) -> str:
         return f"the model {self.name}"
+
+    def plugins(self, args, student_plugin) -> dict[str, DeepSpeedPlugin]:
+        """Its plugin (`plugin`) by its name beside the student's; none without one."""
+        plugin = self.plugin(args, student_plugin)
+        return {} if plugin is None else {self.plugin_name: plugin}
 
     def plugin(self, args, student_plugin) -> DeepSpeedPlugin | None:
         """The teacher's own DeepSpeed plugin beside `student_plugin`: ZeRO-3 inference unless `args.teacher_deepspeed`
@@ -256,14 +270,15 @@ class LiveTeacher(TeacherSource):
     def after_loss(self) -> None:
         self.step_pass.after_loss()
 
+    def score_sampled(self, batch: dict, source: dict | None = None) -> None:
+        """Nothing to add: it runs on the sampled batch itself."""
+
     def release(self) -> None:
         """Nothing computed ahead outlives training (nor the held lm_head)."""
         if self.step_pass is not None:
             self.step_pass.release()
 
     # ---- cache-teacher ----
-
-    cache_refusal = None
 
     def open_for_cache(self, columns, top_k: int) -> None:
         """Prepare the teacher (collective) and check its fused logits against its own on the first row."""

@@ -9,6 +9,7 @@ import torch
 from ..loss.diagnostics import observe_student
 from ..loss.signal import TeacherSignal
 from .base import TeacherBatch, TeacherSource
+from .capabilities import WritesCache
 
 SFT_ONLY = ("Training with alpha=0 and no teacher: the cross-entropy on the dataset's completions alone, as "
             "trl.SFTTrainer trains (no teacher is loaded; kd_loss logs 0).")
@@ -48,9 +49,9 @@ class NoTeacher(TeacherSource):
         "completions, and alpha=0 without a teacher has none: set lmbda=0 and seq_kd=False, or name a teacher.",
         "cross-tokenizer": "Cross-tokenizer settings need a teacher with its own tokenizer, and alpha=0 without a "
         "teacher has none: drop teacher_tokenizer_name_or_path and cross_tokenizer.",
+        WritesCache: "`trl-distill cache-teacher` writes a teacher's top-k: pass --teacher_model_name_or_path or "
+        "--teacher_server.",
     }
-    cache_refusal = ("`trl-distill cache-teacher` writes a teacher's top-k: pass --teacher_model_name_or_path or "
-                     "--teacher_server.")
 
     def describe(self) -> str:
         return "none (alpha=0: cross-entropy only)"

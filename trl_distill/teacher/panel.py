@@ -19,6 +19,28 @@ from ..data.batch import SIGNAL, loss_tokens
 from ..loss.combined import MixtureSignal, RoutedSignal, SumSignal, routed_order
 from .base import TeacherBatch, TeacherSource
 from .cached import ROW, CachedTeacher
+from .capabilities import (
+    ChecksArgs,
+    LogitChecked,
+    OwnBatch,
+    OwnEngine,
+    OwnMetrics,
+    OwnRows,
+    OwnVocabulary,
+    PreparesDataset,
+    RoutesRows,
+    Samples,
+    SamplingServer,
+    ScoresSamples,
+    StepHooks,
+    StudentTokenizer,
+    TrainRows,
+    WritesCache,
+    columns_of,
+    plugins_of,
+    popped,
+    vocab_config_of,
+)
 from .live import LiveTeacher
 from .served import ServedTeacher
 
@@ -27,12 +49,19 @@ DEFAULT_COLUMN, TRL_COLUMN = "teacher", "teacher_id"  # the routing column's def
 LABEL_KEYS = ("labels", "shift_labels")
 
 
-class TeacherPanel(TeacherSource):
+class TeacherPanel(TeacherSource, OwnEngine, RoutesRows, PreparesDataset, TrainRows, OwnBatch, OwnVocabulary,
+                   StepHooks, LogitChecked, ScoresSamples, OwnMetrics):
     """The teachers `members` (name -> source, in the order listed), combined as `combine` says ("route",
-    "mixture", "sum") with `weights` (mixing) and the routing `column`."""
+    "mixture", "sum") with `weights` (mixing) and the routing `column`.
 
-    cache_refusal = ("`trl-distill cache-teacher` writes one teacher's cache: run it once per teacher, with that "
-                     "teacher's --teacher_model_name_or_path or --teacher_server.")
+    Its capabilities combine its members': each one it declares it has whatever its members have (asking each member
+    that has it), but those it has only when `every` member has them; it `withholds` the rest."""
+
+    refused = {WritesCache: "`trl-distill cache-teacher` writes one teacher's cache: run it once per teacher, with "
+                            "that teacher's --teacher_model_name_or_path or --teacher_server."}
+    every = (ScoresSamples,)  # on-policy: every teacher scores the student's samples (a cache cannot)
+    withholds = (WritesCache, Samples, SamplingServer, StudentTokenizer, OwnRows, ChecksArgs)  # one teacher's each
+    # (a cache, seq_kd's sampler: refused with several; a member's own tokenizer, rows and checks are its own)
 
     def __init__(self, members: dict[str, TeacherSource], combine: str = "route", weights: list[float] | None = None,
                  column: str = "teacher"):
@@ -51,10 +80,14 @@ class TeacherPanel(TeacherSource):
     def routed(self) -> bool:
         return self.combine == "route"
 
-    @property
-    def scores_samples(self) -> bool:
-        """Whether every teacher can score rows the student sampled (on-policy; a cache cannot)."""
-        return all(member.scores_samples for member in self.members.values())
+    def capability(self, capability):
+        if capability in self.every and any(m.capability(capability) is None for m in self.members.values()):
+            return None
+        return super().capability(capability)
+
+    def having(self, capability) -> list:
+        """Each member as `capability`, of those that have it, in the order listed."""
+        return [own for member in self.members.values() if (own := member.capability(capability)) is not None]
 
     def column_of(self, dataset) -> str:
         """The routing column of `dataset`: `column`, else TRL's ``teacher_id`` when `column` is left at its default
@@ -67,7 +100,7 @@ class TeacherPanel(TeacherSource):
     @property
     def columns(self) -> tuple[str, ...]:
         own = (ROUTE,) if self.routed else ()
-        return tuple(c for member in self.members.values() for c in member.columns) + own
+        return tuple(c for member in self.members.values() for c in columns_of(member)) + own
 
     @property
     def name(self) -> str:
@@ -77,7 +110,8 @@ class TeacherPanel(TeacherSource):
 
     @property
     def config_notes(self) -> list[str]:
-        return [f"{name}: {note}" for name, m in self.members.items() for note in getattr(m, "config_notes", [])]
+        engines = {name: m.capability(OwnEngine) for name, m in self.members.items()}
+        return [f"{name}: {note}" for name, engine in engines.items() if engine for note in engine.config_notes]
 
     def describe(self) -> str:
         return f"the teachers {', '.join(self.names)} ({self.combine})"
@@ -87,7 +121,7 @@ class TeacherPanel(TeacherSource):
     def plugins(self, args, student_plugin) -> dict:
         out = {}
         for member in self.members.values():
-            out.update(member.plugins(args, student_plugin))
+            out.update(plugins_of(member, args, student_plugin))
         return out
 
     def route_rows(self, train_dataset, eval_dataset):
@@ -141,7 +175,7 @@ class TeacherPanel(TeacherSource):
                                  f"teachers are {self.names} (a row naming none learns from {self.names[0]!r}).")
 
     def prepare_dataset(self, dataset, name: str):
-        for member in self.members.values():
+        for member in self.having(PreparesDataset):
             dataset = member.prepare_dataset(dataset, name)
         if not self.routed or not hasattr(dataset, "add_column"):
             return dataset
@@ -153,7 +187,7 @@ class TeacherPanel(TeacherSource):
     def vocab_config(self, student_config):
         """The smallest vocabulary of the teachers (the loss compares that many logits; each is checked as the panel
         attaches)."""
-        configs = [member.vocab_config(student_config) for member in self.members.values()]
+        configs = [vocab_config_of(member, student_config) for member in self.members.values()]
         return min(configs, key=lambda config: config.vocab_size)
 
     # ---- Once the trainer exists ----
@@ -163,12 +197,12 @@ class TeacherPanel(TeacherSource):
 
         super().attach(context)
         for member in self.members.values():
-            shared_vocab_size(context.student.config, member.vocab_config(context.student.config),
+            shared_vocab_size(context.student.config, vocab_config_of(member, context.student.config),
                               context.processing_class)
             member.attach(context)
 
     def train_rows(self, dataset):
-        for member in self.members.values():
+        for member in self.having(TrainRows):
             dataset = member.train_rows(dataset)
         return dataset
 
@@ -176,14 +210,14 @@ class TeacherPanel(TeacherSource):
         """Each member's collator around the last, in the order listed; routing outermost (it reads the rows'
         teacher index), and then, routed, each server asked for its own rows only."""
         asking = [(i, member) for i, member in enumerate(self.members.values()) if self._asks_own_rows(member)]
-        for member in self.members.values():
+        for member in self.having(OwnBatch):
             if not self._asks_own_rows(member):
                 base = member.collator(base)
         return RouteCollator(base, asking, self._ask) if self.routed else base
 
     def _asks_own_rows(self, member) -> bool:
         """A routed member that asks for its rows' signal as they are collated (a server): only for its own."""
-        return self.routed and member.routes_own_rows and getattr(member, "signal_key", None) is not None
+        return self.routed and runs_on_own_rows(member) and getattr(member, "signal_key", None) is not None
 
     @staticmethod
     def _ask(batch: dict, asking: list, score=None) -> None:
@@ -207,7 +241,8 @@ class TeacherPanel(TeacherSource):
     def logit_candidates(self, model_inputs: dict, extras) -> list:
         extras = extras or (None, [None] * len(self.members))
         return [c for member, own in zip(self.members.values(), extras[1], strict=True)
-                for c in member.logit_candidates(model_inputs, own)]
+                if (checked := member.capability(LogitChecked)) is not None
+                for c in checked.logit_candidates(model_inputs, own)]
 
     def before_step(self, batch_samples: list[dict]) -> None:
         if not self.context.logit_paths.settled and batch_samples:  # settled on the whole first batch, each member's
@@ -216,11 +251,12 @@ class TeacherPanel(TeacherSource):
         own = {ROUTE, *(getattr(m, key, None) for m in self.members.values() for key in ("signal_key", "batch_key"))}
         plain = [{k: v for k, v in batch.items() if k not in own} for batch in batch_samples]
         for i, member in enumerate(self.members.values()):
-            if self.routed and member.routes_own_rows:  # routed: a live teacher runs on its own rows only
-                member.before_step([own_rows(batch, self._route(full) == i)
-                                    for batch, full in zip(plain, batch_samples, strict=True)])
-            else:
-                member.before_step(plain)
+            hooks = member.capability(StepHooks)
+            if hooks is not None and self.routed and runs_on_own_rows(member):  # routed: a live teacher runs on
+                hooks.before_step([own_rows(batch, self._route(full) == i)  # its own rows only
+                                   for batch, full in zip(plain, batch_samples, strict=True)])
+            elif hooks is not None:
+                hooks.before_step(plain)
 
     @staticmethod
     def _route(batch: dict) -> torch.Tensor:
@@ -238,7 +274,7 @@ class TeacherPanel(TeacherSource):
 
     def pop_batch(self, inputs: dict):
         route = inputs.pop(ROUTE, None)
-        return route, [member.pop_batch(inputs) for member in self.members.values()]
+        return route, [popped(member, inputs) for member in self.members.values()]
 
     def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> PanelBatch:
         route, own = extras
@@ -246,7 +282,7 @@ class TeacherPanel(TeacherSource):
             route = torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
         batches, masks = [], []
         for i, (member, e) in enumerate(zip(self.members.values(), own, strict=True)):
-            if self.routed and member.routes_own_rows:  # its forward on its own rows only (an idle row if none)
+            if self.routed and runs_on_own_rows(member):  # its forward on its own rows only (an idle row if none)
                 picked = route.to(mask.device) == i
                 masks.append(mask[picked] if picked.any() else mask[:1] & False)
                 batches.append(member.for_batch(own_rows(model_inputs, picked), e, masks[-1], keep))
@@ -263,12 +299,12 @@ class TeacherPanel(TeacherSource):
         asking = [(i, member) for i, member in enumerate(self.members.values()) if self._asks_own_rows(member)]
         for member in self.members.values():
             if not (self._asks_own_rows(member) and ROUTE in batch):
-                member.score_sampled(batch, source)
+                member.capability(ScoresSamples).score_sampled(batch, source)
         if ROUTE in batch:
-            self._ask(batch, asking, lambda member, rows: member.score_sampled(rows, source))
+            self._ask(batch, asking, lambda member, rows: member.capability(ScoresSamples).score_sampled(rows, source))
 
     def after_loss(self) -> None:
-        for member in self.members.values():
+        for member in self.having(StepHooks):
             member.after_loss()
 
     def kd_parts(self) -> dict[str, tuple[torch.Tensor, int | None]] | None:
@@ -292,6 +328,12 @@ class TeacherPanel(TeacherSource):
     def release(self) -> None:
         for member in self.members.values():
             member.release()
+
+
+def runs_on_own_rows(member: TeacherSource) -> bool:
+    """Routed among several, whether `member` runs on its own rows only (`capabilities.OwnRows`)."""
+    own = member.capability(OwnRows)
+    return own is not None and own.routes_own_rows
 
 
 class PanelBatch(TeacherBatch):

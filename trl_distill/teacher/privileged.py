@@ -16,6 +16,19 @@ import torch
 
 from ..data.batch import Held
 from .base import TeacherBatch, TeacherSource
+from .capabilities import (
+    LogitChecked,
+    OwnBatch,
+    PreparesDataset,
+    RoutesRows,
+    ScoresSamples,
+    StepHooks,
+    TrainRows,
+    WritesCache,
+    columns_of,
+    popped,
+    routed_rows,
+)
 from .teacher_prompts import FLAG, check_teacher_prompts, prompt_problem, splits, template_fields, template_values
 
 TEACHER_PROMPT = "teacher_prompt_ids"  # the prepared column and the batch key: each row's teacher prompt, tokenized
@@ -109,33 +122,41 @@ class StreamedPrompts:
         return {TEACHER_PROMPT: ids}
 
 
-class PrivilegedTeacher(TeacherSource):
-    """`inner` (a live or served teacher) reading `spec` (a column name, or a ``{column}`` template) as its prompt."""
+class PrivilegedTeacher(TeacherSource, RoutesRows, PreparesDataset, TrainRows, OwnBatch, StepHooks, LogitChecked,
+                        ScoresSamples):
+    """`inner` (a live or served teacher) reading `spec` (a column name, or a ``{column}`` template) as its prompt.
+
+    It has every capability of `inner` (its engine, its vocabulary...), handed through untouched, but those it
+    `changes` (run on the teacher's rows) and those it `withholds`; and it `adds` its own (the teacher prompts)."""
+
+    adds = (RoutesRows, PreparesDataset, TrainRows, OwnBatch)
+    changes = (StepHooks, LogitChecked, ScoresSamples)  # (where `inner` has them)
+    withholds = (WritesCache,)  # a cache of `inner` would hold its reading of the student's prompts
 
     def __init__(self, inner: TeacherSource, spec: str, tokenizer):
         self.inner, self.spec, self.tokenizer = inner, spec, tokenizer
         self.refused = inner.refused
 
+    def capability(self, capability):
+        if capability in self.withholds:
+            return None
+        if capability in self.adds:
+            return self
+        inner = self.inner.capability(capability)
+        if capability in self.changes:
+            return None if inner is None else self
+        return inner
+
     @property
     def columns(self) -> tuple[str, ...]:
-        return (*self.inner.columns, TEACHER_PROMPT)
+        return (*columns_of(self.inner), TEACHER_PROMPT)
 
     @property
     def name(self) -> str:
         return f"{self.inner.name} (teacher_prompt {self.spec})"
 
-    @property
-    def config_notes(self) -> list[str]:
-        return self.inner.config_notes
-
     def describe(self) -> str:
         return f"{self.inner.describe()} reading teacher_prompt {self.spec!r}"
-
-    def plugins(self, args, student_plugin) -> dict:
-        return self.inner.plugins(args, student_plugin)
-
-    def vocab_config(self, student_config):
-        return self.inner.vocab_config(student_config)
 
     # ---- The teacher's prompt of each row ----
 
@@ -147,10 +168,11 @@ class PrivilegedTeacher(TeacherSource):
         """Every raw row has a teacher prompt of at least one token, checked before anything loads."""
         for split, dataset in splits(train_dataset, eval_dataset):
             check_teacher_prompts(self.spec, dataset, split, lambda prompt: prompt_tokens(self.tokenizer, prompt))
-        return self.inner.route_rows(train_dataset, eval_dataset)
+        return routed_rows(self.inner, train_dataset, eval_dataset)
 
     def prepare_dataset(self, dataset, name: str):
-        dataset = self.inner.prepare_dataset(dataset, name)
+        inner = self.inner.capability(PreparesDataset)
+        dataset = dataset if inner is None else inner.prepare_dataset(dataset, name)
         if hasattr(dataset, "map") and not hasattr(dataset, "__len__"):  # a `datasets.IterableDataset` (streaming):
             # each row's as it is read, never the whole stream ahead
             return dataset.map(StreamedPrompts(self.spec, self.tokenizer, name), with_indices=True)
@@ -171,7 +193,8 @@ class PrivilegedTeacher(TeacherSource):
             for i, mask in enumerate(dataset["completion_mask"]):
                 if several_stretches(mask):
                     raise ValueError(stretched(f"row {i}"))
-        return self.inner.train_rows(dataset)
+        inner = self.inner.capability(TrainRows)
+        return dataset if inner is None else inner.train_rows(dataset)
 
     # ---- Once the trainer exists ----
 
@@ -180,22 +203,26 @@ class PrivilegedTeacher(TeacherSource):
         self.inner.attach(context)
 
     def collator(self, base):
-        inner_view = self.inner
+        """`base`, and each batch's teacher prompts (in place of the inner teacher's own collator: a served teacher
+        is asked for its signal of the teacher's rows)."""
 
         def collate(examples: list[dict]) -> dict:
             prompts = [torch.tensor(example[TEACHER_PROMPT], dtype=torch.long) for example in examples]
             batch = base([{k: v for k, v in example.items() if k != TEACHER_PROMPT} for example in examples])
             batch[TEACHER_PROMPT] = Held(prompts)
-            self._score(inner_view, batch)  # a served teacher's request, on the teacher's rows
+            self._score(batch)  # a served teacher's request, on the teacher's rows
             return batch
 
         return collate
 
-    def _score(self, inner, batch: dict, source: dict | None = None) -> None:
+    def _score(self, batch: dict, source: dict | None = None) -> None:
         """The inner teacher's additions (a server's signal) for `batch`'s teacher rows, added to `batch`."""
+        scorer = self.inner.capability(ScoresSamples)
+        if scorer is None:
+            return
         view = teacher_rows(batch, batch[TEACHER_PROMPT].value, self._pad_id())
         before = set(view)
-        inner.score_sampled(view, source)
+        scorer.score_sampled(view, source)
         for key in set(view) - before:
             batch[key] = view[key]
 
@@ -206,11 +233,16 @@ class PrivilegedTeacher(TeacherSource):
         self.inner.prepare(accelerator, device)
 
     def logit_candidates(self, model_inputs: dict, extras) -> list:
-        return self.inner.logit_candidates(model_inputs, None if extras is None else extras[-1])
+        inner = self.inner.capability(LogitChecked)
+        return inner.logit_candidates(model_inputs, None if extras is None else extras[-1])
+
+    def before_step(self, batch_samples: list[dict]) -> None:
+        """None: the inner teacher runs per micro-batch, on the teacher's rows (not the student's, which the step's
+        batches hold)."""
 
     def pop_batch(self, inputs: dict):
         prompts = inputs.pop(TEACHER_PROMPT, None)
-        return prompts, completion_starts(inputs["labels"]), self.inner.pop_batch(inputs)
+        return prompts, completion_starts(inputs["labels"]), popped(self.inner, inputs)
 
     def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> TeacherBatch:
         prompts, starts, own = extras
@@ -232,14 +264,10 @@ class PrivilegedTeacher(TeacherSource):
     def score_sampled(self, batch: dict, source: dict | None = None) -> None:
         """The student's samples of the prompts of `source`: each keeps its row's teacher prompt."""
         batch[TEACHER_PROMPT] = source[TEACHER_PROMPT]
-        self._score(self.inner, batch, source)
-
-    @property
-    def scores_samples(self) -> bool:
-        return self.inner.scores_samples
+        self._score(batch, source)
 
     def after_loss(self) -> None:
-        self.inner.after_loss()
+        self.inner.capability(StepHooks).after_loss()
 
     def release(self) -> None:
         self.inner.release()

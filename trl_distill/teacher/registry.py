@@ -1,19 +1,22 @@
-"""One registry of teacher kinds by name, and the one place a run's teachers are described and built.
+"""The one place a run's teachers are described and built, through the registry of kinds (`kinds`).
 
 A run's teachers are `TeacherSpec` entries (`specs.py`), plain data that serialise: the config's `teachers`, or the
 one that its single-teacher flags describe (`describe`). Each spec's `kind` names an entry of `TEACHER_KINDS`, which
 builds its `TeacherSource`; `resolve.resolve_teacher` makes several of them one panel. A kind registers with
-`register_teacher_kind` (as vLLM's weight-transfer factory registers its engines by name).
+`register_kind` (as vLLM's weight-transfer factory registers its engines by name).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from .base import TeacherSource
+from .kinds import TEACHER_KINDS, SourceForm, TeacherKind, register_kind, register_teacher_kind, teacher_kind
 from .specs import SINGLE, TeacherSpec
+
+__all__ = ["TEACHER_KINDS", "BuildContext", "SourceForm", "TeacherKind", "build_teacher", "describe", "register_kind",
+           "register_teacher_kind", "teacher_kind"]
 
 
 @dataclass(frozen=True)
@@ -23,32 +26,6 @@ class BuildContext:
     args: Any
     student: Any
     processing_class: Any
-
-
-@dataclass(frozen=True)
-class TeacherKind:
-    """A registered kind: the class whose refusals a run checks before building it, and its builder."""
-
-    name: str
-    source_class: type[TeacherSource]
-    build: Callable[[TeacherSpec, BuildContext], TeacherSource]
-
-
-TEACHER_KINDS: dict[str, TeacherKind] = {}
-
-
-def register_teacher_kind(name: str, source_class: type[TeacherSource],
-                          build: Callable[[TeacherSpec, BuildContext], TeacherSource]) -> None:
-    """Make `name` a kind a `TeacherSpec` may have: `build(spec, context)` returns its `TeacherSource`."""
-    if name in TEACHER_KINDS:
-        raise ValueError(f"The teacher kind {name!r} is registered already.")
-    TEACHER_KINDS[name] = TeacherKind(name, source_class, build)
-
-
-def teacher_kind(name: str) -> TeacherKind:
-    if name not in TEACHER_KINDS:
-        raise ValueError(f"Unknown teacher kind {name!r}; registered: {', '.join(TEACHER_KINDS)}.")
-    return TEACHER_KINDS[name]
 
 
 def describe(args, teacher_model=None) -> list[TeacherSpec]:

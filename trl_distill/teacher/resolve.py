@@ -13,21 +13,18 @@ from ..data.prepare import tokenizer_of
 from ..runtime.sequence_parallel import check_models_before_loading
 from .base import TeacherSource
 from .cached import CachedTeacher
+from .capabilities import ChecksArgs, declares
 from .cross_tokenizer import CrossTokenizerTeacher
+from .kinds import SourceForm, register_teacher_kind, support_rows, teacher_kind
 from .live import LiveTeacher
 from .no_teacher import SFT_ONLY, NoTeacher
-from .registry import BuildContext, build_teacher, describe, register_teacher_kind, teacher_kind
+from .registry import BuildContext, build_teacher, describe
 from .self_distill import SELF, SelfTeacher
 from .served import ServedTeacher
 from .specs import TeacherSpec
 from .support import ARGS_MODES, TEACHER_PROMPT_REFUSAL, active_modes, matrix
 
 logger = logging.getLogger(__name__)
-
-KINDS = {"live (ZeRO-3)": LiveTeacher, "self": SelfTeacher, "cache": CachedTeacher, "served (vLLM)": ServedTeacher,
-         "cross-tokenizer": CrossTokenizerTeacher}
-"""Every kind of teacher, by the label the support matrix gives it."""
-
 
 def _model(spec: TeacherSpec, context: BuildContext) -> LiveTeacher:
     """A model: live, or cross-tokenizer when its tokenizer maps tokens to other ids than the student's."""
@@ -44,15 +41,19 @@ def _server(spec: TeacherSpec, context: BuildContext) -> ServedTeacher:
                          args.teacher_server_concurrency)
 
 
-register_teacher_kind("model", LiveTeacher, _model)
-register_teacher_kind("self", SelfTeacher, lambda spec, context: SelfTeacher())
-register_teacher_kind("cache", CachedTeacher, lambda spec, context: CachedTeacher(spec.cache))
-register_teacher_kind("server", ServedTeacher, _server)
+# A model (any path or hub id): live, or of another tokenizer (the support matrix's last row)
+register_teacher_kind("model", LiveTeacher, _model, mixes=True,
+                      rows=(("live (ZeRO-3)", LiveTeacher), ("cross-tokenizer", CrossTokenizerTeacher)))
+register_teacher_kind("self", SelfTeacher, lambda spec, context: SelfTeacher(), form=SourceForm(exact=SELF))
+register_teacher_kind("cache", CachedTeacher, lambda spec, context: CachedTeacher(spec.cache), checked_early=True,
+                      form=SourceForm("cache", prefixes=("cache:",), stripped=True))
+register_teacher_kind("server", ServedTeacher, _server, checked_early=True, rows=(("served (vLLM)", ServedTeacher),),
+                      form=SourceForm("server", prefixes=("http://", "https://")))
 
 
 def support_matrix() -> dict[str, dict[str, str]]:
-    """Every kind against every mode: ``"yes"`` or ``"refused: <the message>"`` (the README's table)."""
-    return matrix(KINDS)
+    """Every registered kind against every mode: ``"yes"`` or ``"refused: <the message>"`` (the README's table)."""
+    return matrix(support_rows())
 
 
 def refuse_unsupported(args) -> None:
@@ -61,9 +62,10 @@ def refuse_unsupported(args) -> None:
     if args.teachers is not None:
         return  # several: `specs.check_teachers` has checked what the arguments decide
     for spec in describe(args):
-        if spec.kind in ("cache", "server"):
+        if teacher_kind(spec.kind).checked_early:
             kind = teacher_kind(spec.kind).source_class
-            kind.check_args(args)
+            if declares(kind, ChecksArgs):
+                kind.check_args(args)
             for mode in active_modes(args):
                 if mode in ARGS_MODES and mode in kind.refused:
                     raise ValueError(kind.refused[mode])

@@ -9,6 +9,7 @@ from torch import nn
 from ..model.fused_forward import LossFeatures
 from ..runtime.validation import check_teacher_finite
 from .base import TeacherSource
+from .capabilities import OwnRows, Samples, ScoresSamples
 from .live import as_is
 from .rows import DenseRows
 from .support import TEACHER_PROMPT_REFUSAL
@@ -16,7 +17,7 @@ from .support import TEACHER_PROMPT_REFUSAL
 SELF = "self"
 
 
-class SelfTeacher(TeacherSource):
+class SelfTeacher(TeacherSource, ScoresSamples, Samples, OwnRows):
     """The student's base with its adapters off (``teacher_model="self"``); bound to the PEFT student as it
     attaches. Runs once per micro-batch: its forward is the student's own engine."""
 
@@ -51,6 +52,9 @@ class SelfTeacher(TeacherSource):
     def generation(self, num_processes: int) -> tuple[nn.Module, object, bool]:
         """Sampling from the base: the PEFT model with its adapters disabled."""
         return self.peft_model, self.peft_model.disable_adapter, False
+
+    def score_sampled(self, batch: dict, source: dict | None = None) -> None:
+        """Nothing to add: the base runs on the sampled batch itself."""
 
     @torch.no_grad()
     def features(self, model_inputs: dict, positions: torch.Tensor | None = None) -> LossFeatures:

@@ -35,6 +35,7 @@ from ..errors import ExternalError
 from ..loss.sparse import SparseTeacherSignal
 from ..runtime.distributed import first_failure
 from .base import TeacherSource
+from .capabilities import ChecksArgs, OwnBatch, OwnRows, SamplingServer, ScoresSamples, WritesCache
 from .rows import SparseRows
 from .server_client import TeacherServerClient, TeacherServerError, TeacherServerReplyError, signal_of
 
@@ -43,7 +44,7 @@ logger = logging.getLogger(__name__)
 _PROBE = "Distil the teacher, token by token: 1 2 3."
 
 
-class ServedTeacher(TeacherSource):
+class ServedTeacher(TeacherSource, OwnBatch, ScoresSamples, SamplingServer, WritesCache, OwnRows, ChecksArgs):
     """The teacher `model` served at `url` (OpenAI-compatible vLLM), as the source of each batch's top-`top_k`.
 
     Args:
@@ -63,6 +64,8 @@ class ServedTeacher(TeacherSource):
     }
 
     signal_key = SIGNAL  # its batch key (one per teacher when several teach)
+    columns = ()  # its collator asks for each batch's signal: it reads no column of its own
+    revision = None
     routes_own_rows = True  # routed among several: the panel asks it for its own rows only (`request`, `no_rows`)
 
     def __init__(self, url: str, model: str | None, top_k: int = 64, timeout: float = 120.0, concurrency: int = 4):
@@ -140,8 +143,6 @@ class ServedTeacher(TeacherSource):
         self.close()  # requests for batches collated ahead and never trained on
 
     # ---- cache-teacher ----
-
-    cache_refusal = None
 
     def open_for_cache(self, columns, top_k: int) -> None:
         self.top_k = top_k  # the cache's k, whatever the run's teacher_server_top_k

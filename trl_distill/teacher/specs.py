@@ -15,6 +15,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from .capabilities import ChecksArgs, declares
+from .kinds import SOURCE_FIELDS, kind_of, kind_of_source, teacher_kind
+
 COMBINE = ("route", "mixture", "sum")
 """How several teachers' signals make one loss (`loss.combined`)."""
 TEACHER_NAME = re.compile(r"[A-Za-z0-9_.-]+")
@@ -38,12 +41,14 @@ class TeacherSpec:
 
     @property
     def kind(self) -> str:
-        """Its entry in `registry.TEACHER_KINDS`: ``cache``, ``server``, ``self`` or ``model``."""
-        return "cache" if self.cache else "server" if self.server else "self" if self.model == "self" else "model"
+        """Its entry in `kinds.TEACHER_KINDS` (e.g. ``cache``, ``server``, ``self`` or ``model``), as the registry
+        recognises it."""
+        return kind_of(self).name
 
     @property
     def source(self) -> str:
-        return self.cache or self.server or self.model
+        """What holds its source (the field its kind reads)."""
+        return getattr(self, kind_of(self).form.field)
 
     def as_dict(self) -> dict:
         """The dict form of this entry (what `parse_teacher` reads back), only the fields that are set: what
@@ -52,8 +57,7 @@ class TeacherSpec:
 
     def entry(self) -> str:
         """The ``NAME=SOURCE`` form (what a run record holds)."""
-        prefix = "cache:" if self.cache else ""
-        return f"{self.name}={prefix}{self.source}"
+        return f"{self.name}={kind_of(self).form.written(self.source)}"
 
 
 def parse_teacher(entry) -> TeacherSpec:
@@ -65,17 +69,14 @@ def parse_teacher(entry) -> TeacherSpec:
         if not sep or not source:
             raise ValueError(f"teachers: {entry!r} is not NAME=SOURCE (e.g. math=./math-teacher, code=cache:./code-"
                              "cache, big=http://teacher-host:8000).")
-        if source.startswith("cache:"):
-            return _checked(TeacherSpec(name.strip(), cache=source[len("cache:"):]))
-        if source.startswith(("http://", "https://")):
-            return _checked(TeacherSpec(name.strip(), server=source))
-        return _checked(TeacherSpec(name.strip(), model=source))
+        form = kind_of_source(source).form
+        return _checked(TeacherSpec(name.strip(), **{form.field: form.value(source)}))
     if isinstance(entry, dict):
         unknown = set(entry) - _KEYS
         if unknown:
             raise ValueError(f"teachers: {entry!r} has unknown keys {sorted(unknown)}; an entry takes "
                              f"{sorted(_KEYS)}.")
-        sources = [key for key in ("model", "cache", "server") if entry.get(key)]
+        sources = [key for key in SOURCE_FIELDS if entry.get(key)]
         if len(sources) != 1 or not entry.get("name"):
             raise ValueError(f"teachers: {entry!r} needs a name and exactly one of model, cache or server.")
         return _checked(TeacherSpec(**{k: v for k, v in entry.items() if v is not None}))
@@ -116,8 +117,9 @@ def check_teachers(args) -> None:
     if args.teacher_combine not in COMBINE:
         raise ValueError(f"teacher_combine must be one of {', '.join(COMBINE)}, got {args.teacher_combine!r}.")
     args.teacher_weights = _weights(args.teacher_weights, specs, args.teacher_combine)
+    kinds = [teacher_kind(spec.kind) for spec in specs]
     if args.teacher_combine == "mixture":
-        sparse = [spec.name for spec in specs if spec.kind != "model"]
+        sparse = [spec.name for spec, kind in zip(specs, kinds, strict=True) if not kind.mixes]
         if sparse:
             raise ValueError(f"teacher_combine='mixture' mixes the teachers' whole distributions, and {sparse} give "
                              "their top-k only (a cache or a server): use --teacher_combine sum (the weighted sum of "
@@ -126,7 +128,7 @@ def check_teachers(args) -> None:
         raise ValueError("seq_kd samples the completions from the teacher, and several teach: which one samples is "
                          "not defined. Set seq_kd=False (on-policy, lmbda > 0, takes several teachers), or name one "
                          "teacher.")
-    cached = [spec.name for spec in specs if spec.kind == "cache"]
+    cached = [spec.name for spec, kind in zip(specs, kinds, strict=True) if "on-policy" in kind.source_class.refused]
     if args.lmbda > 0 and cached:
         raise ValueError(f"On-policy distillation (lmbda > 0) scores the student's own samples, and the teachers "
                          f"{cached} are caches of the dataset's completions only: list their models or servers "
@@ -134,10 +136,9 @@ def check_teachers(args) -> None:
     if args.teacher_combine == "route" and (args.packing or args.padding_free):
         raise ValueError("Routing rows to teachers needs one example per row: set packing=False and padding_free="
                          "False, or mix the teachers (--teacher_combine mixture or sum).")
-    if any(spec.kind == "server" for spec in specs):
-        from .served import ServedTeacher
-
-        ServedTeacher.check_args(args)
+    for kind in dict.fromkeys(kinds):  # each kind's own checks, once
+        if declares(kind.source_class, ChecksArgs):
+            kind.source_class.check_args(args)
     args.teachers = specs
 
 
