@@ -100,3 +100,21 @@ def test_the_registry_alone_names_the_kinds(monkeypatch):
         "server", "cache", "self", "model"]
     assert list(support_matrix()) == ["live (ZeRO-3)", "self", "cache", "served (vLLM)", "echo", "cross-tokenizer"]
     assert support_matrix()["echo"] == support_matrix()["cache"]  # its class's refusals
+
+
+def test_no_module_compares_a_kind_with_a_name():
+    """The kinds are named in their registrations only: nothing compares a spec's `kind` with a name (an if-chain,
+    a table); what a kind does differently is a field of its registration (`once`, `mixes`, `check_flags`...)."""
+    import ast
+    from pathlib import Path
+
+    import trl_distill
+
+    offenders = []
+    for path in sorted(Path(trl_distill.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            sides = [node.left, *node.comparators] if isinstance(node, ast.Compare) else []
+            if any(isinstance(side, ast.Attribute) and side.attr == "kind" for side in sides) and any(
+                    isinstance(side, ast.Constant | ast.Tuple | ast.List | ast.Set) for side in sides):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert offenders == []

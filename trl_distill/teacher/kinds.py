@@ -56,7 +56,9 @@ class TeacherKind:
     ``build(spec, context)``, its `form`, and the rows it adds to the support matrix (`rows`: label -> class; by
     default one, its name: its class). `checked_early`: the arguments alone name its class, so its refusals of the
     modes they decide are checked as the config is built (a model waits for its tokenizer). `mixes`: it gives its
-    whole distribution, which a mixture of teachers (``teacher_combine='mixture'``) can mix."""
+    whole distribution, which a mixture of teachers (``teacher_combine='mixture'``) can mix. `once`: several teachers
+    list it at most once (the student's own base). `check_flags(spec, args, use_peft)`: the CLI's checks of its
+    flags that need no model (a model's path)."""
 
     name: str
     source_class: type[TeacherSource]
@@ -65,6 +67,8 @@ class TeacherKind:
     rows: tuple[tuple[str, type], ...] = ()
     checked_early: bool = False
     mixes: bool = False
+    once: bool = False
+    check_flags: Callable[[Any, Any, bool], None] | None = None
 
     def matrix_rows(self) -> tuple[tuple[str, type], ...]:
         return self.rows or ((self.name, self.source_class),)

@@ -41,10 +41,25 @@ def _server(spec: TeacherSpec, context: BuildContext) -> ServedTeacher:
                          args.teacher_server_concurrency)
 
 
+def _self_flags(spec: TeacherSpec, args, use_peft: bool) -> None:
+    if not use_peft:
+        flag = "--teacher_model_name_or_path self" if args.teachers is None else f"--teachers {spec.name}=self"
+        raise ValueError(f"{flag} (self-distillation: the teacher is the student's own base with its LoRA "
+                         "adapters off) needs a LoRA student: add --use_peft.")
+
+
+def _model_flags(spec: TeacherSpec, args, use_peft: bool) -> None:
+    from ..runtime.validation import check_model_path
+
+    check_model_path(spec.model, "--teacher_model_name_or_path" if args.teachers is None else
+                     f"--teachers {spec.name}")
+
+
 # A model (any path or hub id): live, or of another tokenizer (the support matrix's last row)
-register_teacher_kind("model", LiveTeacher, _model, mixes=True,
+register_teacher_kind("model", LiveTeacher, _model, mixes=True, check_flags=_model_flags,
                       rows=(("live (ZeRO-3)", LiveTeacher), ("cross-tokenizer", CrossTokenizerTeacher)))
-register_teacher_kind("self", SelfTeacher, lambda spec, context: SelfTeacher(), form=SourceForm(exact=SELF))
+register_teacher_kind("self", SelfTeacher, lambda spec, context: SelfTeacher(), form=SourceForm(exact=SELF),
+                      once=True, check_flags=_self_flags)
 register_teacher_kind("cache", CachedTeacher, lambda spec, context: CachedTeacher(spec.cache), checked_early=True,
                       form=SourceForm("cache", prefixes=("cache:",), stripped=True))
 register_teacher_kind("server", ServedTeacher, _server, checked_early=True, rows=(("served (vLLM)", ServedTeacher),),
@@ -235,9 +250,8 @@ def wants_cross_tokenizer(args, student_tokenizer, teacher_tokenizer) -> bool:
 
 
 def check_teacher_flags(args, use_peft: bool) -> None:
-    """The CLI's checks of the teacher flags that need no model: fail in seconds, before anything is loaded."""
-    from ..runtime.validation import check_model_path
-
+    """The CLI's checks of the teacher flags that need no model (each kind's `check_flags`): fail in seconds, before
+    anything is loaded."""
     specs = describe(args)
     if not specs:
         if args.alpha == 0:
@@ -246,13 +260,9 @@ def check_teacher_flags(args, use_peft: bool) -> None:
                          "or a vLLM server of it with --teacher_server), or several with --teachers NAME=SOURCE ... "
                          "(--alpha 0 trains on the cross-entropy alone, without a teacher).")
     for spec in specs:  # a cache or a server: no model is loaded here (with a server the name is the served one)
-        if spec.kind == "self" and not use_peft:
-            flag = "--teacher_model_name_or_path self" if args.teachers is None else f"--teachers {spec.name}=self"
-            raise ValueError(f"{flag} (self-distillation: the teacher is the student's own base with its LoRA "
-                             "adapters off) needs a LoRA student: add --use_peft.")
-        if spec.kind == "model":
-            check_model_path(spec.model, "--teacher_model_name_or_path" if args.teachers is None else
-                             f"--teachers {spec.name}")
+        check = teacher_kind(spec.kind).check_flags
+        if check is not None:
+            check(spec, args, use_peft)
 
 
 def check_cacheable_teacher(args) -> None:

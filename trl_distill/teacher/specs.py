@@ -103,7 +103,8 @@ def check_teachers(args) -> None:
     if not specs:
         raise ValueError("teachers is empty: list at least one NAME=SOURCE, or pass one teacher with "
                          "--teacher_model_name_or_path.")
-    selves = [spec.name for spec in specs if spec.kind == "self"]
+    kinds = [teacher_kind(spec.kind) for spec in specs]
+    selves = [spec.name for spec, kind in zip(specs, kinds, strict=True) if kind.once]
     if len(selves) > 1:
         raise ValueError(f"teachers: {selves} are all 'self': the student's base is one teacher; list it once.")
     names = [spec.name for spec in specs]
@@ -117,7 +118,6 @@ def check_teachers(args) -> None:
     if args.teacher_combine not in COMBINE:
         raise ValueError(f"teacher_combine must be one of {', '.join(COMBINE)}, got {args.teacher_combine!r}.")
     args.teacher_weights = _weights(args.teacher_weights, specs, args.teacher_combine)
-    kinds = [teacher_kind(spec.kind) for spec in specs]
     if args.teacher_combine == "mixture":
         sparse = [spec.name for spec, kind in zip(specs, kinds, strict=True) if not kind.mixes]
         if sparse:
