@@ -8,10 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from oracles import shared_characters_reward
+from side_channels import side_channels
 from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
-from trl_distill.data.batch import add_extras, extras_of, loss_tokens
+from trl_distill.data.batch import EXTRAS, add_extras, extras_of, loss_tokens
 from trl_distill.rollout.on_policy import STUDENT
 from trl_distill.testing import logged, synthetic_prompt_completion, tiny_run_settings
 
@@ -65,6 +66,7 @@ def test_each_step_is_the_formula_with_a_task_reward_and_two_routed_teachers(tin
 
     def checked(model, inputs, return_outputs=False, num_items_in_batch=None):
         rewards, route = extras_of(inputs).task_rewards, extras_of(inputs).route.tolist()
+        assert side_channels(inputs) == [EXTRAS]  # the route and the rewards, in the one key
         teachers = [member.module for member in trainer.teacher.members.values()]
         with torch.no_grad():
             want = expected_loss(trainer, inputs, teachers, rewards)
@@ -102,6 +104,7 @@ def test_a_served_teacher_is_asked_for_the_sampled_tokens_only(served, tmp_path)
     trainer = trainer_for(pair, tmp_path, dataset(), teacher_server=served["url"], max_length=64, **SAMPLED)
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     sampled, _ = trainer.sampler.sample(STUDENT, batch)
+    assert side_channels(batch) == side_channels(sampled) == [EXTRAS]  # the served signal, in the one key
     signal = trainer.teacher.pop_batch(dict(sampled))
     target, mask = loss_tokens(sampled)
     assert signal.ids.shape == (int(mask.sum()), 1)  # one id per sampled token: the token itself
@@ -227,6 +230,7 @@ def test_the_ratio_is_against_the_rollout_servers_log_probs(rollout_server, tiny
         batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
         sampled, _ = trainer.sampler.sample(STUDENT, batch)
         engine = extras_of(sampled).rollout_logprobs
+        assert side_channels(sampled) == [EXTRAS]  # the engine's log-probs, in the one key
         shift = torch.where(torch.arange(len(engine)) % 2 == 0, 0.5, -0.5)
         add_extras(sampled, rollout_logprobs=engine + shift)
         with torch.no_grad():
@@ -269,6 +273,7 @@ def test_routed_teachers_on_the_servers_rollouts_keep_each_tokens_engine_log_pro
         sampled, _ = trainer.sampler.sample(STUDENT, batch)
         assert sorted(set(extras_of(sampled).route.tolist())) == [0, 1]
         engine = extras_of(sampled).rollout_logprobs
+        assert side_channels(sampled) == [EXTRAS]  # the route and the engine's log-probs, in the one key
         shift = torch.linspace(-0.4, 0.4, len(engine))
         add_extras(sampled, rollout_logprobs=engine + shift)
         teachers = [member.module for member in trainer.teacher.members.values()]

@@ -13,6 +13,7 @@ from panel_common import (
     trained,
     trainer_for,
 )
+from side_channels import side_channels
 from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
@@ -213,6 +214,7 @@ def test_a_served_teacher_scores_its_rows_of_the_students_samples(served, tmp_pa
     assert sent[0] == int((route == 1).sum())  # the dataset's rows: its own only (the loader may collate ahead)
     before = len(sent)
     sampled, _ = panel.sampler.sample(STUDENT, batch)
+    assert side_channels(batch) == side_channels(sampled) == [EXTRAS]  # the route and the server's signal, in one key
     route = extras_of(sampled).route.clone()
     assert sorted(set(route.tolist())) == [0, 1]
     assert sent[before:] == [int((route == 1).sum())]  # the samples: its own only
