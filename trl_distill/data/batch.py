@@ -55,6 +55,7 @@ class MicroBatchExtras:
     loss_layout: tuple[str, torch.Tensor] | None = None  # (labels key, the host labels) from `LossTokensCollator`
 
     def empty(self) -> bool:
+        """Whether no field is set (no signal, every other field None)."""
         return all(not getattr(self, f.name) if f.name == "signals" else getattr(self, f.name) is None
                    for f in dataclasses.fields(self))
 
@@ -117,6 +118,7 @@ def take_signal(batch: dict, key: str = SIGNAL) -> SignalHolder | None:
 
 
 def _keep(batch: dict, extras: MicroBatchExtras) -> None:
+    """`extras` as `batch`'s, or no key when they are empty (what the model would otherwise be given)."""
     if extras.empty():
         batch.pop(EXTRAS, None)
     else:
