@@ -225,12 +225,12 @@ def test_several_teachers_routed_and_summed_on_the_device():
 
 
 def test_teacher_rows_of_a_batch_on_the_device():
-    """A teacher prompt's rows (its prompts stay on the host, `Held`), a served teacher's request rows and a routed
+    """A teacher prompt's rows (its prompts stay on the host), a served teacher's request rows and a routed
     teacher's own rows, from a batch prepared onto the device."""
-    from trl_distill.data.batch import Held
+    from trl_distill.data.batch import EXTRAS, MicroBatchExtras
     from trl_distill.teacher.base import TeacherSource
     from trl_distill.teacher.panel import own_rows
-    from trl_distill.teacher.privileged import TEACHER_PROMPT, PrivilegedTeacher, teacher_rows
+    from trl_distill.teacher.privileged import PrivilegedTeacher, teacher_rows
     from trl_distill.teacher.served import loss_rows
 
     prompts = [torch.tensor([1, 2, 3]), torch.tensor([4])]  # host tensors, as the collator made them
@@ -249,7 +249,7 @@ def test_teacher_rows_of_a_batch_on_the_device():
     def run(ids, attention, labels):
         batch = {"input_ids": ids, "attention_mask": attention, "labels": labels}
         mask, keep = labels[:, 1:] != -100, torch.arange(ids.shape[1] - 1, device=ids.device)
-        popped = {"labels": labels, TEACHER_PROMPT: Held(prompts)}
+        popped = {"labels": labels, EXTRAS: MicroBatchExtras(teacher_prompts=prompts)}
         extras = privileged.pop_batch(popped)  # as the trainer pops them: the prompts, the completions' starts
         shifted = privileged.for_batch({"input_ids": ids, "attention_mask": attention}, extras, mask, keep)
         served_rows, positions = loss_rows(batch)
@@ -265,7 +265,8 @@ def test_teacher_rows_of_a_batch_on_the_device():
 def test_sampled_rows_rendered_for_a_teacher_of_another_tokenizer_on_the_device():
     """The student's samples (on the device) re-rendered and aligned for a teacher of another tokenizer: its ids and
     groups land on the samples' device, the same as from host rows."""
-    from trl_distill.teacher.cross_tokenizer import _BATCH, CrossTokenizerTeacher
+    from trl_distill.data.batch import EXTRAS, CrossTokenizerBatch, MicroBatchExtras, extras_of
+    from trl_distill.teacher.cross_tokenizer import CrossTokenizerTeacher
     from trl_distill.testing import build_sentencepiece_style_tokenizer, build_tokenizer
 
     student, other = build_tokenizer(), build_sentencepiece_style_tokenizer(vocab_size=300)
@@ -274,13 +275,15 @@ def test_sampled_rows_rendered_for_a_teacher_of_another_tokenizer_on_the_device(
     teacher.args = SimpleNamespace(max_length=64, teacher_prompt=None)
     teacher.sampled_rows = {"rows": 0, "unaligned": 0}
     prompt, completion = student("the cat sat")["input_ids"], student(" on the mat")["input_ids"]
-    source = {_BATCH: (None, None, None, [other("the cat sat")["input_ids"]], None)}
+    cross = CrossTokenizerBatch(None, None, None, [other("the cat sat")["input_ids"]], None)
+    source = {EXTRAS: MicroBatchExtras(cross_tokenizer=cross)}
 
     def run(ids, labels):
         batch = {"input_ids": ids, "labels": labels}
         teacher.score_sampled(batch, source)
-        assert all(x.device == ids.device for x in batch[_BATCH] if isinstance(x, torch.Tensor))
-        return batch[_BATCH]
+        cross = extras_of(batch).cross_tokenizer
+        assert all(x.device == ids.device for x in cross if isinstance(x, torch.Tensor))
+        return tuple(cross)
 
     host, device = _both(run, torch.tensor([prompt + completion + [student.eos_token_id]]),
                          torch.tensor([[-100] * len(prompt) + completion + [student.eos_token_id]]))

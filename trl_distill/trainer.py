@@ -16,8 +16,8 @@ from . import compat  # the private library APIs we use, each in one named funct
 from .compat import TrainerInternals  # the Trainer's private members we use, each in one named method
 from .config import DistillationConfig, as_distillation_config
 from .data import prepare
-from .data.batch import loss_tokens
-from .data.loss_layout import LOSS_LAYOUT, LayoutMemo, LossTokensCollator, streamed
+from .data.batch import loss_tokens, pop_extra
+from .data.loss_layout import LayoutMemo, LossTokensCollator, streamed
 from .evaluation.fields import eval_sampling_temperature
 from .evaluation.generation import GenerationEvaluation, eval_settings
 from .loss.fused import features_loss
@@ -361,7 +361,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         found them on the host, else measured together (one read of the device); not for a step whose completions
         the sampler replaces."""
         self.layouts.clear()
-        hosts = [b.pop(LOSS_LAYOUT, None) if isinstance(b, dict) else None for b in batch_samples]  # no model sees
+        hosts = [pop_extra(b, "loss_layout") if isinstance(b, dict) else None for b in batch_samples]  # no model sees
         args = self.args
         if completion_source(args.lmbda, args.seq_kd, args.seed, self.state.global_step) != DATASET:
             return
@@ -384,7 +384,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         Mixture-of-Experts student's router load-balancing loss added as SFTTrainer adds it
         (``router_aux_loss_coef``)."""
         args = self.args
-        inputs.pop(LOSS_LAYOUT, None)  # (evaluation: where the loss tokens are is found below)
+        pop_extra(inputs, "loss_layout")  # (evaluation: where the loss tokens are is found below)
         extras = can.popped(self.teacher, inputs)  # what the teacher's collator added; the student must not see it
         correction = self.sampler.pop_correction(inputs)  # sampled by the rollout engine: its log-probs
         sampled = self.sampler.objective_job(inputs, self.model.training)  # the sampled-token objective, if so

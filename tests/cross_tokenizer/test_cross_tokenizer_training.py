@@ -10,6 +10,7 @@ import torch
 from datasets import Dataset
 
 from trl_distill import DistillationConfig, DistillationTrainer
+from trl_distill.data.batch import extras_of
 from trl_distill.teacher import CrossTokenizerTeacher
 from trl_distill.teacher.cross_tokenizer import COLUMNS
 from trl_distill.testing import (
@@ -64,7 +65,7 @@ def test_another_tokenizer_switches_on_by_itself_and_the_fused_kd_is_the_models_
     trainer.get_train_dataloader()  # prepares the teacher
     examples = [trainer.train_dataset[i] for i in range(6)]
     batch = trainer._prepare_inputs(trainer.data_collator(examples))
-    teacher_ids, teacher_mask, groups, *_ = batch["cross_tokenizer_batch"]
+    teacher_ids, teacher_mask, groups, *_ = extras_of(batch).cross_tokenizer
     with torch.no_grad():
         _, parts = trainer.compute_loss(trainer.model, dict(batch), return_outputs=True)
         student_logits = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits

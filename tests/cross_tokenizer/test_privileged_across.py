@@ -9,6 +9,7 @@ from datasets import Dataset
 from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
+from trl_distill.data.batch import extras_of
 from trl_distill.rollout.on_policy import STUDENT
 from trl_distill.teacher import CrossTokenizerTeacher
 from trl_distill.teacher.cross_tokenizer import TEACHER_IDS, TEACHER_PROMPT
@@ -30,7 +31,7 @@ def kd_from_models(trainer, batch, truncated: bool = False) -> torch.Tensor:
     """The per-group loss on both models' own logits over the batch's teacher rows, summed and divided by the loss
     tokens (float64); asserts both sides read the same text from each group on (`truncated`: the student's rows cut
     at max_length, the teacher's text goes on)."""
-    teacher_ids, teacher_mask, groups, *_ = batch["cross_tokenizer_batch"]
+    teacher_ids, teacher_mask, groups, *_ = extras_of(batch).cross_tokenizer
     student_tok, teacher_tok = trainer.teacher.student_tokenizer, trainer.teacher.teacher_tokenizer
     lengths = batch["attention_mask"].sum(1).tolist(), teacher_mask.sum(1).tolist()
     for row, s_pos, t_pos in groups.tolist():  # from a group on, both sides read the same text: the completion's rest
@@ -61,11 +62,11 @@ def test_the_teacher_of_another_tokenizer_reads_its_own_prompt_and_the_same_comp
         assert row[TEACHER_PROMPT] == teacher_tok(hint)["input_ids"]
         assert len(row["cross_student_positions"]) >= 3  # a group per word of the completion
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-    prompts = batch["cross_tokenizer_batch"][3]
+    prompts = extras_of(batch).cross_tokenizer[3]
     if on_policy:
         batch, _ = trainer.sampler.sample(STUDENT, batch)
         trainer.sampler.on_policy = True
-        teacher_ids = batch["cross_tokenizer_batch"][0]
+        teacher_ids = extras_of(batch).cross_tokenizer[0]
         for b, prompt in enumerate(prompts):  # the samples follow each row's own teacher prompt
             assert teacher_ids[b, : len(prompt)].tolist() == prompt
     with torch.no_grad():

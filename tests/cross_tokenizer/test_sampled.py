@@ -7,6 +7,7 @@ from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.cross_tokenizer.sampled import align_sampled, sampled_offsets
+from trl_distill.data.batch import extras_of
 from trl_distill.rollout.on_policy import STUDENT
 from trl_distill.testing import (
     build_sentencepiece_style_tokenizer,
@@ -84,7 +85,7 @@ def assert_sampled_kd_is_the_models_own(trainer, other_teacher) -> None:
     args = trainer.args
     batch = trainer._prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in range(4)]))
     batch, completions = trainer.sampler.sample(STUDENT, batch)
-    teacher_ids, teacher_mask, groups, *_ = batch["cross_tokenizer_batch"]
+    teacher_ids, teacher_mask, groups, *_ = extras_of(batch).cross_tokenizer
     rows, s_pos, t_pos = groups.unbind(1)
     assert sorted(set(rows.tolist())) == [0, 1, 2, 3]
     s_tok, t_tok = trainer.processing_class, AutoTokenizer.from_pretrained(other_teacher)

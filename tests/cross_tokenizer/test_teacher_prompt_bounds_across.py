@@ -8,6 +8,7 @@ import torch
 from datasets import Dataset
 from test_privileged_across import kd_from_models, make
 
+from trl_distill.data.batch import extras_of
 from trl_distill.rollout.on_policy import STUDENT
 from trl_distill.teacher.cross_tokenizer import STUDENT_POSITIONS, TEACHER_PROMPT
 from trl_distill.testing import synthetic_prompt_completion
@@ -35,7 +36,7 @@ def test_one_token_and_a_long_teacher_prompt_keep_the_completions_groups(tiny_pa
     if on_policy:
         batch, _ = trainer.sampler.sample(STUDENT, batch)
         trainer.sampler.on_policy = True
-        assert 1 in batch["cross_tokenizer_batch"][2][:, 0].tolist()  # the long one's sample keeps its groups
+        assert 1 in extras_of(batch).cross_tokenizer[2][:, 0].tolist()  # the long one's sample keeps its groups
     with torch.no_grad():
         want = kd_from_models(trainer, batch, truncated=not on_policy)  # (row 0's completion is cut)
         trainer.model.train()

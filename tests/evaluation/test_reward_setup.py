@@ -15,6 +15,7 @@ from test_reward_faults import RUN, SAMPLED, counting, module, run, snapshot
 from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
+from trl_distill.data.batch import extras_of
 from trl_distill.evaluation.calls import RewardLogs, Verifier
 from trl_distill.evaluation.generation import EvalSettings, GenerationEvaluation
 from trl_distill.evaluation.verifiers import resolve_verifiers
@@ -106,7 +107,7 @@ def reward(prompts, completions, **kwargs):
                                         for c in set_up["completions"]]
     assert set_up["trainer_state"] is trainer.state
     collate = TaskColumnsCollator(lambda examples: {}, row_columns(trainer.train_dataset, columns_of(trainer.teacher)))
-    columns = collate([rows[i] for i in range(2)])["task_columns"].value  # as a training batch carries them
+    columns = extras_of(collate([rows[i] for i in range(2)])).task_columns  # as a training batch carries them
     samples = [torch.tensor(ids) for ids in set_up["completion_ids"]]
     rewards = trainer.sampler.task_rewards.score(columns, samples, 1, trainer.state)
     assert rewards.tolist() == [1.0, 1.0]  # True counts 1.0, as in TRL

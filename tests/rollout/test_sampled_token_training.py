@@ -8,13 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from oracles import shared_characters_reward
+from side_channels import side_channels
 from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
-from trl_distill.data.batch import loss_tokens
+from trl_distill.data.batch import EXTRAS, add_extras, extras_of, loss_tokens
 from trl_distill.rollout.on_policy import STUDENT
-from trl_distill.rollout.task_rewards import TASK_REWARDS
-from trl_distill.teacher.panel import ROUTE
 from trl_distill.testing import logged, synthetic_prompt_completion, tiny_run_settings
 
 
@@ -47,7 +46,8 @@ def expected_loss(trainer, batch, teachers, rewards=None):
     """-mean over sampled tokens of kl_coef (log p_teacher − log p_student) + w (R − mean R) (HF generate: ratio 1)."""
     args = trainer.args
     student, mask = token_log_probs(trainer.model, batch)
-    route = batch[ROUTE] if ROUTE in batch else torch.zeros(mask.shape[0], dtype=torch.long)
+    route = extras_of(batch).route
+    route = route if route is not None else torch.zeros(mask.shape[0], dtype=torch.long)
     per_row = route[:, None].expand_as(mask)[mask]
     teacher = torch.stack([token_log_probs(t, batch)[0] for t in teachers]).gather(0, per_row[None]).squeeze(0)
     advantage = args.sampled_token_kl_coef * (teacher - student)
@@ -65,7 +65,8 @@ def test_each_step_is_the_formula_with_a_task_reward_and_two_routed_teachers(tin
     checks, compute_loss = [], trainer.compute_loss
 
     def checked(model, inputs, return_outputs=False, num_items_in_batch=None):
-        rewards, route = inputs[TASK_REWARDS].value, inputs[ROUTE].tolist()
+        rewards, route = extras_of(inputs).task_rewards, extras_of(inputs).route.tolist()
+        assert side_channels(inputs) == [EXTRAS]  # the route and the rewards, in the one key
         teachers = [member.module for member in trainer.teacher.members.values()]
         with torch.no_grad():
             want = expected_loss(trainer, inputs, teachers, rewards)
@@ -103,6 +104,7 @@ def test_a_served_teacher_is_asked_for_the_sampled_tokens_only(served, tmp_path)
     trainer = trainer_for(pair, tmp_path, dataset(), teacher_server=served["url"], max_length=64, **SAMPLED)
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     sampled, _ = trainer.sampler.sample(STUDENT, batch)
+    assert side_channels(batch) == side_channels(sampled) == [EXTRAS]  # the served signal, in the one key
     signal = trainer.teacher.pop_batch(dict(sampled))
     target, mask = loss_tokens(sampled)
     assert signal.ids.shape == (int(mask.sum()), 1)  # one id per sampled token: the token itself
@@ -135,7 +137,7 @@ def across_share(teacher, batch, mask) -> torch.Tensor:
     """Per sampled token (float64, NaN where no group covers it): the teacher of another tokenizer's log-prob of its
     aligned group's text (its own teacher tokens summed, from its own logits) over the group's student tokens.
     Asserts each group's tokens stand for the same text on both sides."""
-    teacher_ids, teacher_mask, groups, _, lengths = batch["cross_tokenizer_batch"]
+    teacher_ids, teacher_mask, groups, _, lengths = extras_of(batch).cross_tokenizer
     teacher_logp = F.log_softmax(teacher.module(input_ids=teacher_ids, attention_mask=teacher_mask).logits.double(), -1)
     share = torch.full(mask.shape, float("nan"), dtype=torch.float64)
     for (row, s_pos, t_pos), (n_s, n_t) in zip(groups.tolist(), lengths.tolist(), strict=True):
@@ -165,7 +167,7 @@ def test_a_teacher_of_another_tokenizer_routed_beside_one_of_the_students(tiny_p
     checks, compute_loss = [], trainer.compute_loss
 
     def checked(model, inputs, return_outputs=False, num_items_in_batch=None):
-        route = inputs[ROUTE]
+        route = extras_of(inputs).route
         with torch.no_grad():
             student, mask = token_log_probs(trainer.model, inputs)
             own = token_log_probs(trainer.teacher.members["a"].module, inputs)[0]
@@ -198,7 +200,7 @@ def test_a_teacher_of_another_tokenizer_scores_each_aligned_groups_text(tiny_pai
                           eval_dataset=synthetic_prompt_completion(8, seed=5), **SAMPLED)
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     trainer.teacher.score_sampled(batch, dict(batch))  # the completions, as if the student had sampled them
-    lengths = batch["cross_tokenizer_batch"][4]
+    lengths = extras_of(batch).cross_tokenizer.group_lengths
     assert int((lengths[:, 0 if teacher_reads == "words" else 1] > 1).sum()) >= 10, lengths.tolist()
     with torch.no_grad():
         want = expected_across(trainer, batch)
@@ -227,9 +229,10 @@ def test_the_ratio_is_against_the_rollout_servers_log_probs(rollout_server, tiny
     try:
         batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
         sampled, _ = trainer.sampler.sample(STUDENT, batch)
-        engine = sampled["rollout_logprobs"].value
+        engine = extras_of(sampled).rollout_logprobs
+        assert side_channels(sampled) == [EXTRAS]  # the engine's log-probs, in the one key
         shift = torch.where(torch.arange(len(engine)) % 2 == 0, 0.5, -0.5)
-        sampled["rollout_logprobs"].value = engine + shift
+        add_extras(sampled, rollout_logprobs=engine + shift)
         with torch.no_grad():
             student, mask = token_log_probs(trainer.model, sampled)
             teacher, _ = token_log_probs(trainer.teacher.module, sampled)
@@ -268,14 +271,15 @@ def test_routed_teachers_on_the_servers_rollouts_keep_each_tokens_engine_log_pro
     try:
         batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
         sampled, _ = trainer.sampler.sample(STUDENT, batch)
-        assert sorted(set(sampled[ROUTE].tolist())) == [0, 1]
-        engine = sampled["rollout_logprobs"].value
+        assert sorted(set(extras_of(sampled).route.tolist())) == [0, 1]
+        engine = extras_of(sampled).rollout_logprobs
+        assert side_channels(sampled) == [EXTRAS]  # the route and the engine's log-probs, in the one key
         shift = torch.linspace(-0.4, 0.4, len(engine))
-        sampled["rollout_logprobs"].value = engine + shift
+        add_extras(sampled, rollout_logprobs=engine + shift)
         teachers = [member.module for member in trainer.teacher.members.values()]
         with torch.no_grad():
             student, mask = token_log_probs(trainer.model, sampled)
-            per_row = sampled[ROUTE][:, None].expand_as(mask)[mask]
+            per_row = extras_of(sampled).route[:, None].expand_as(mask)[mask]
             teacher = torch.stack([token_log_probs(t, sampled)[0] for t in teachers]).gather(0, per_row[None])[0]
             trainer.model.train()
             trainer.sampler.on_policy, trainer.current_gradient_accumulation_steps = True, 1

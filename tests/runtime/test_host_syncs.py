@@ -10,6 +10,7 @@ from host_syncs import SyncCounter  # tests/ is on sys.path
 from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
+from trl_distill.data.batch import EXTRAS, extras_of, pop_extra
 from trl_distill.data.loss_layout import HostLayout, LossTokensCollator, host_step_layout, step_layout
 from trl_distill.runtime.guards import Guards
 
@@ -102,7 +103,7 @@ def test_the_collator_finds_them_on_the_host_and_a_changed_label_stops_the_step(
     rows = [{"input_ids": [5, 6, 7, 8], "completion_mask": [0, 0, 1, 1]},
             {"input_ids": [9, 10, 11, 12], "completion_mask": [0, 1, 1, 1]}]
     batch = LossTokensCollator(_collate)(rows)
-    key, labels = batch["loss_token_layout"].value
+    key, labels = extras_of(batch).loss_layout
     assert key == "labels" and labels is batch["labels"]  # the host tensor itself: read as the step starts
     host = HostLayout.of(key, labels)
     assert host.shape == (2, 3) and host.keep.tolist() == [0, 1, 2] and host.flat.tolist() == [1, 2, 3, 4, 5]
@@ -113,7 +114,7 @@ def test_the_collator_finds_them_on_the_host_and_a_changed_label_stops_the_step(
                                                           report_to="none", remove_unused_columns=False,
                                                           dataset_kwargs={"skip_prepare_dataset": True}),
                                   processing_class=tokenizer, data_collator=_collate)
-    held = batch.pop("loss_token_layout")
+    held = pop_extra(batch, "loss_layout")
     batch["labels"] = batch["labels"].clone()  # another tensor after the collator, then changed
     batch["labels"][1, 1] = -100
     trainer.layouts.start_step([batch], [batch["labels"][:, 1:] != -100], [held], trainer.context.deferred)
@@ -135,7 +136,7 @@ def test_a_streamed_dataset_keeps_its_batches_plain_tensors(tiny_pair, tmp_path)
                                    args=DistillationConfig(output_dir=str(tmp_path / "streamed"), **common),
                                    processing_class=tokenizer, data_collator=_collate)
     rows = [_data()[i] for i in range(2)]
-    assert "loss_token_layout" in mapped.data_collator(rows)
-    assert "loss_token_layout" not in streamed.data_collator(rows)
+    assert extras_of(mapped.data_collator(rows)).loss_layout is not None
+    assert EXTRAS not in streamed.data_collator(rows)
     streamed.train()  # measured on the device instead
     assert streamed.state.global_step == 2

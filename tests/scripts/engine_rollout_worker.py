@@ -18,6 +18,7 @@ from accelerate.state import AcceleratorState
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
+from trl_distill.data.batch import extras_of
 from trl_distill.testing import synthetic_prompt_completion, tiny_run_settings, write_rank_record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -73,8 +74,9 @@ def run(student: str, out: str, url: str, mode: str, teacher: str, port: str, ra
         record["sampled"][str(trainer.state.global_step + 1)] = {
             "input_ids": new["input_ids"].tolist(), "attention_mask": new["attention_mask"].tolist(),
             "labels": new["labels"].tolist()}
-        if "cross_tokenizer_batch" in new:  # the teacher's ids and the aligned groups of the sampled rows
-            teacher_ids, teacher_mask, groups, *_ = new["cross_tokenizer_batch"]
+        cross = extras_of(new).cross_tokenizer
+        if cross is not None:  # the teacher's ids and the aligned groups of the sampled rows
+            teacher_ids, teacher_mask, groups, *_ = cross
             record["sampled"][str(trainer.state.global_step + 1)].update(
                 teacher_ids=teacher_ids.tolist(), teacher_mask=teacher_mask.tolist(), groups=groups.tolist())
         if rank == 0:

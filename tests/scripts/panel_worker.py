@@ -34,7 +34,7 @@ class PerStep(TrainerCallback):
 
 def record_forwards(trainer, rec: dict) -> None:
     """Per micro-batch: its rows' teachers (`teacher_route`) and the rows each teacher's forward ran on."""
-    from trl_distill.teacher.panel import ROUTE
+    from trl_distill.data.batch import extras_of
 
     ran = {name: [] for name in trainer.teacher.members}
     for name, member in trainer.teacher.members.items():
@@ -48,7 +48,7 @@ def record_forwards(trainer, rec: dict) -> None:
     compute_loss, rec["micro_batches"] = trainer.compute_loss, []
 
     def recorded(model, inputs, *args, **kwargs):
-        route, before = inputs[ROUTE].tolist(), {name: len(seen) for name, seen in ran.items()}
+        route, before = extras_of(inputs).route.tolist(), {name: len(seen) for name, seen in ran.items()}
         out = compute_loss(model, inputs, *args, **kwargs)
         rec["micro_batches"].append({"route": route, "ran": {n: seen[before[n]:] for n, seen in ran.items()}})
         return out

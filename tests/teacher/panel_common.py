@@ -7,9 +7,8 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
-from trl_distill.data.batch import loss_tokens
+from trl_distill.data.batch import extras_of, loss_tokens
 from trl_distill.loss.divergences import DIVERGENCES
-from trl_distill.teacher.panel import ROUTE
 from trl_distill.testing import logged, synthetic_prompt_completion, tiny_run_settings
 
 KEYS = ("loss", "kd_loss", "ce_loss")
@@ -55,7 +54,7 @@ def formula(trainer, batch, teachers, divergence="forward_kl"):
     t_logps = [F.log_softmax(full_logits(t, batch) / temperature, -1)[mask] for t in teachers]
     fn = lambda s, t: DIVERGENCES[divergence](s, t, args.beta, args.skew_alpha)  # noqa: E731
     if args.teacher_combine == "route":
-        per_row = batch[ROUTE][:, None].expand_as(mask)[mask]
+        per_row = extras_of(batch).route[:, None].expand_as(mask)[mask]
         per_token = torch.stack([fn(s_logp, t) for t in t_logps])  # [teachers, n]
         parts = [per_token[i][per_row == i].sum() / mask.sum() for i in range(len(teachers))]
         return sum(parts), parts

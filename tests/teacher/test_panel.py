@@ -24,9 +24,8 @@ from transformers import AutoModelForCausalLM
 from trl_distill import DistillationConfig
 from trl_distill.cli import main as cli_main
 from trl_distill.cli.plan import main as plan_main
-from trl_distill.data.batch import loss_tokens
+from trl_distill.data.batch import extras_of, loss_tokens
 from trl_distill.loss.divergences import DIVERGENCES
-from trl_distill.teacher.panel import ROUTE
 from trl_distill.teacher.served import ServedTeacher
 from trl_distill.testing import (
     build_tiny_model,
@@ -74,9 +73,9 @@ def test_each_way_of_combining_equals_its_formula(tiny_pair, second_teacher, tmp
                           teacher_weights=weights)
     batch = next(iter(trainer.get_train_dataloader()))
     if combine == "route":
-        assert sorted(set(batch[ROUTE].tolist())) == [0, 1]  # rows of both teachers in this batch
+        assert sorted(set(extras_of(batch).route.tolist())) == [0, 1]  # rows of both teachers in this batch
     else:
-        assert ROUTE not in batch
+        assert extras_of(batch).route is None
     teachers = [trainer.teacher.members[name].module for name in ("a", "b")]
     with torch.no_grad():
         expected, parts = formula(trainer, batch, teachers, divergence)
@@ -92,7 +91,7 @@ def test_each_way_of_combining_equals_its_formula(tiny_pair, second_teacher, tmp
     _, mask = loss_tokens(batch)
     with torch.no_grad():
         s_logp = F.log_softmax(full_logits(trainer.model, batch), -1)[mask]
-        per_row = batch[ROUTE][:, None].expand_as(mask)[mask] if combine == "route" else None
+        per_row = extras_of(batch).route[:, None].expand_as(mask)[mask] if combine == "route" else None
         assert list(trainer.teacher.own_metrics()) == ["a", "b"]
         for i, (name, measured) in enumerate(trainer.teacher.own_metrics().items()):
             t_logp = F.log_softmax(full_logits(teachers[i], batch), -1)[mask]
@@ -152,7 +151,7 @@ def test_a_routed_server_is_asked_for_its_own_rows_only(served, tmp_path, monkey
         sent, request = [], member.request
         member.request = lambda batch, *a, sent=sent, request=request: sent.append(len(batch["input_ids"])) or \
             request(batch, *a)
-        routes = [batch["teacher_route"].tolist() for batch in trainer.get_train_dataloader()]
+        routes = [extras_of(batch).route.tolist() for batch in trainer.get_train_dataloader()]
         asked[own] = (sent[:len(routes)], routes)
         runs[own] = trained(trainer)
     sent, routes = asked[True]

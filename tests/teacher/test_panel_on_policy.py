@@ -13,12 +13,12 @@ from panel_common import (
     trained,
     trainer_for,
 )
+from side_channels import side_channels
 from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
-from trl_distill.data.batch import loss_tokens
+from trl_distill.data.batch import EXTRAS, extras_of, loss_tokens
 from trl_distill.rollout.on_policy import STUDENT
-from trl_distill.teacher.panel import ROUTE
 from trl_distill.testing import launch, logged, read_rank_records, tiny_run_settings
 
 WORKER = Path(__file__).parents[1] / "scripts" / "panel_worker.py"
@@ -71,7 +71,7 @@ def test_the_students_own_base_routed_beside_a_teacher_on_its_samples(tiny_pair,
         teachers = [trainer.teacher.members["a"].module, AdaptersOff(trainer.model)]
         with torch.no_grad():
             expected, _ = formula(trainer, dict(inputs), teachers, "reverse_kl")
-        calls, route = len(forwards["base"]), inputs[ROUTE].tolist()
+        calls, route = len(forwards["base"]), extras_of(inputs).route.tolist()
         loss, outputs = compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         checks.append((outputs["kd_loss"].item(), expected.item(), forwards["base"][calls:], max(route.count(1), 1)))
         return (loss, outputs) if return_outputs else loss
@@ -103,10 +103,10 @@ def test_on_policy_routed_losses_are_each_teacher_on_its_own_rows_at_every_step(
 
     def checked(model, inputs, return_outputs=False, num_items_in_batch=None):
         teachers = [member.module for member in trainer.teacher.members.values()]
-        route = inputs[ROUTE]
+        route = extras_of(inputs).route
         with torch.no_grad():
             expected, parts = formula(trainer, dict(inputs), teachers, "reverse_kl")
-            own = {name: alone[name].compute_loss(model, {k: v[route == i] for k, v in inputs.items() if k != ROUTE},
+            own = {name: alone[name].compute_loss(model, {k: v[route == i] for k, v in inputs.items() if k != EXTRAS},
                                                   return_outputs=True)[1]["kd_loss"].item()
                    for i, name in enumerate(paths) if (route == i).any()}
         tokens = loss_tokens(inputs)[1].sum(1)
@@ -210,10 +210,12 @@ def test_a_served_teacher_scores_its_rows_of_the_students_samples(served, tmp_pa
     sent = rows_sent(panel.teacher.members["srv"])
     batch = panel._prepare_inputs(next(iter(panel.get_train_dataloader())))
     alone.get_train_dataloader()
-    assert sent[0] == int((batch[ROUTE] == 1).sum())  # the dataset's rows: its own only (the loader may collate ahead)
+    route = extras_of(batch).route
+    assert sent[0] == int((route == 1).sum())  # the dataset's rows: its own only (the loader may collate ahead)
     before = len(sent)
     sampled, _ = panel.sampler.sample(STUDENT, batch)
-    route = sampled[ROUTE].clone()
+    assert side_channels(batch) == side_channels(sampled) == [EXTRAS]  # the route and the server's signal, in one key
+    route = extras_of(sampled).route.clone()
     assert sorted(set(route.tolist())) == [0, 1]
     assert sent[before:] == [int((route == 1).sum())]  # the samples: its own only
     mine = {k: v[route == 1] for k, v in sampled.items() if k in ("input_ids", "attention_mask", "labels")}

@@ -10,7 +10,7 @@ from peft import LoraConfig
 from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
-from trl_distill.data.batch import loss_tokens
+from trl_distill.data.batch import extras_of, loss_tokens, take_signal
 from trl_distill.rollout.on_policy import STUDENT
 from trl_distill.teacher.privileged import TEACHER_PROMPT
 from trl_distill.testing import logged, synthetic_prompt_completion, tiny_run_settings
@@ -56,7 +56,7 @@ def aligned_kd(trainer, batch, teacher_model, prompts: list[list[int]]) -> torch
 def test_the_kd_is_the_teachers_reading_of_its_own_prompt_aligned_on_the_completion(tiny_pair, tmp_path, on_policy):
     trainer = make(tiny_pair, tmp_path, teacher_prompt=HINT, **(dict(lmbda=1.0, max_new_tokens=6) if on_policy else {}))
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-    prompts = [p.tolist() for p in batch[TEACHER_PROMPT].value]
+    prompts = [p.tolist() for p in extras_of(batch).teacher_prompts]
     if on_policy:
         batch, _ = trainer.sampler.sample(STUDENT, batch)
         trainer.sampler.on_policy = True
@@ -103,7 +103,7 @@ def test_a_served_teacher_reads_its_own_prompt(served, tmp_path):
             trainer.model.train()
             trainer.current_gradient_accumulation_steps = 1
         _, out_srv = srv.compute_loss(srv.model, dict(batch), return_outputs=True)
-        batch.pop("teacher_signal", None)
+        take_signal(batch)
         _, out_live = live.compute_loss(live.model, dict(batch), return_outputs=True)
     # the server's top-64 buckets of the same teacher reading the same teacher rows: a lower bound of its full KL,
     # close to it for this peaked teacher

@@ -13,7 +13,7 @@ from tokenizers import processors
 from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
-from trl_distill.teacher.privileged import TEACHER_PROMPT
+from trl_distill.data.batch import extras_of
 from trl_distill.testing import synthetic_prompt_completion, tiny_run_settings
 
 MAX_LENGTH = 64  # (the tiny models hold 128 positions; this tokenizer gives about a token a character)
@@ -61,7 +61,7 @@ def hand_kd(student, teacher, batch, prompts: list[list[int]]) -> float:
 def kd_and_hand(trainer) -> tuple[float, float, list[list[int]], dict]:
     trainer.get_train_dataloader()  # (loads the teacher)
     batch = trainer._prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in range(4)]))  # in order
-    prompts = [p.tolist() for p in batch[TEACHER_PROMPT].value]
+    prompts = [p.tolist() for p in extras_of(batch).teacher_prompts]
     with torch.no_grad():
         want = hand_kd(trainer.model, trainer.teacher.inner.module, batch, prompts)
         trainer.model.train()

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
+from trl_distill.data.batch import extras_of
 from trl_distill.teacher.privileged import TEACHER_PROMPT
 from trl_distill.testing import synthetic_prompt_completion, tiny_run_settings
 
@@ -41,7 +42,7 @@ def test_a_streamed_dataset_gets_the_map_style_teacher_prompts_and_loss(tiny_pai
     rows = list(islice(streamed.train_dataset, 8))
     assert [row[TEACHER_PROMPT] for row in rows] == mapped.train_dataset[TEACHER_PROMPT]
     batch = next(iter(streamed.get_train_dataloader()))  # a stream's first 4 rows, in order
-    assert [p.tolist() for p in batch[TEACHER_PROMPT].value] == mapped.train_dataset[TEACHER_PROMPT][:4]
+    assert [p.tolist() for p in extras_of(batch).teacher_prompts] == mapped.train_dataset[TEACHER_PROMPT][:4]
     next(iter(mapped.get_train_dataloader()))  # (the teacher is prepared with the first dataloader)
     same_rows = mapped.data_collator([mapped.train_dataset[i] for i in range(4)])
     assert kd_loss(streamed, batch) == pytest.approx(kd_loss(mapped, same_rows), rel=1e-6)

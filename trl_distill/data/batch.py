@@ -1,20 +1,128 @@
-"""What a collated batch carries besides the model's inputs: its loss tokens (`loss_tokens`), and a sparse teacher
-signal, from the collator that fetched it to `compute_loss` that uses it.
+"""What a collated batch carries besides the model's inputs: its loss tokens (`loss_tokens`), and one
+`MicroBatchExtras` under `EXTRAS`: what the collators and the sampler add for the loss (a teacher's sparse signal,
+the rows' teachers, teacher prompts, the cross-tokenizer teacher's ids, the rollout engine's log-probs, a task's
+columns and rewards, the host labels), none of which the model sees.
 
 The teacher cache reads its rows' signal in the collator; a served teacher's collator sends a request and leaves a
-future in the batch, so the answer arrives while the student computes earlier micro-batches. Either way the batch
-holds a `SignalHolder` under `SIGNAL`, and the loss calls `pop_signal`.
+future in the batch, so the answer arrives while the student computes earlier micro-batches. Either way the extras
+hold a `SignalHolder` under the teacher's key (`put_signal`), and the loss calls `pop_signal`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from ..loss.sparse import SparseTeacherSignal
 
-SIGNAL = "teacher_signal"  # the batch key
+SIGNAL = "teacher_signal"  # a teacher's key among the extras' signals (one per teacher when several teach)
+EXTRAS = "micro_batch_extras"  # the batch key of the `MicroBatchExtras`: the one key besides the model's inputs
+
+
+class CrossTokenizerBatch(NamedTuple):
+    """What the cross-tokenizer teacher reads of a batch (`teacher.cross_tokenizer.cross_batch`)."""
+
+    teacher_ids: torch.Tensor  # [B, L], right-padded
+    teacher_mask: torch.Tensor  # [B, L]
+    groups: torch.Tensor  # [G, 3]: (row, student position, teacher position)
+    prompts: list[list[int]]  # the teacher's prompt tokens of each row
+    group_lengths: torch.Tensor | None  # [G, 2]: each group's student and teacher token counts (sampled rows)
+
+    def to(self, device) -> CrossTokenizerBatch:
+        """Its tensors on `device`."""
+        return CrossTokenizerBatch(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in self))
+
+
+@dataclass(frozen=True)
+class MicroBatchExtras:
+    """Everything a micro-batch carries for the loss besides the model's inputs and labels. A plain object on
+    purpose: the Trainer's `_prepare_inputs` and accelerate's loader leave it as it is (no cast to bf16, no move).
+    Frozen: `add_extras` and `pop_extra` replace it, so a copy of a batch dict keeps its own extras, as it kept its
+    own keys."""
+
+    signals: Mapping[str, SignalHolder] = field(default_factory=dict)  # teacher key -> its rows' sparse signal
+    route: torch.Tensor | None = None  # [B] each row's teacher, by its index in the panel
+    teacher_prompts: list[torch.Tensor] | None = None  # each row's teacher prompt, tokenized (on the host)
+    cross_tokenizer: CrossTokenizerBatch | None = None  # the cross-tokenizer teacher's ids and aligned groups
+    rollout_logprobs: torch.Tensor | None = None  # the rollout engine's log-prob of every sampled token, row-major
+    task_columns: dict[str, list] | None = None  # the rows' own columns, for the task reward
+    task_rewards: torch.Tensor | None = None  # each sampled completion's task reward
+    loss_layout: tuple[str, torch.Tensor] | None = None  # (labels key, the host labels) from `LossTokensCollator`
+
+    def empty(self) -> bool:
+        """Whether no field is set (no signal, every other field None)."""
+        return all(not getattr(self, f.name) if f.name == "signals" else getattr(self, f.name) is None
+                   for f in dataclasses.fields(self))
+
+
+_FIELDS = {f.name for f in dataclasses.fields(MicroBatchExtras)}
+
+
+def extras_of(batch: dict) -> MicroBatchExtras:
+    """The batch's extras (empty ones when it carries none)."""
+    return batch.get(EXTRAS) or MicroBatchExtras()
+
+
+def add_extras(batch: dict, **values) -> None:
+    """Set fields of `batch`'s extras (each collator that wraps another adds to the same one)."""
+    batch[EXTRAS] = dataclasses.replace(extras_of(batch), **values)
+
+
+def pop_extra(batch: dict, name: str):
+    """Take field `name` off `batch`'s extras (None when unset); the key goes once nothing is left."""
+    if name not in _FIELDS:
+        raise KeyError(name)
+    extras = batch.get(EXTRAS)
+    if extras is None:
+        return None
+    value = getattr(extras, name)
+    _keep(batch, dataclasses.replace(extras, **{name: {} if name == "signals" else None}))
+    return value
+
+
+def drop_extras(batch: dict, *names: str) -> dict:
+    """A copy of `batch` whose extras lack the fields `names` (`batch` itself keeps them)."""
+    out = dict(batch)
+    for name in names:
+        pop_extra(out, name)
+    return out
+
+
+def merge_extras(batch: dict, extras: MicroBatchExtras | None) -> None:
+    """Add the set fields of `extras` (its signals among the batch's) to `batch`'s extras."""
+    if extras is None:
+        return
+    signals = {**extras_of(batch).signals, **extras.signals}
+    values = {f: getattr(extras, f) for f in _FIELDS - {"signals"} if getattr(extras, f) is not None}
+    add_extras(batch, signals=signals, **values)
+
+
+def put_signal(batch: dict, key: str, holder: SignalHolder) -> None:
+    """Add a teacher's signal (`key`: its own when several teach) to `batch`."""
+    add_extras(batch, signals={**extras_of(batch).signals, key: holder})
+
+
+def take_signal(batch: dict, key: str = SIGNAL) -> SignalHolder | None:
+    """Take the teacher `key`'s `SignalHolder` off `batch` (None without)."""
+    extras = batch.get(EXTRAS)
+    if extras is None or key not in extras.signals:
+        return None
+    holder = extras.signals[key]
+    _keep(batch, dataclasses.replace(extras, signals={k: v for k, v in extras.signals.items() if k != key}))
+    return holder
+
+
+def _keep(batch: dict, extras: MicroBatchExtras) -> None:
+    """`extras` as `batch`'s, or no key when they are empty (what the model would otherwise be given)."""
+    if extras.empty():
+        batch.pop(EXTRAS, None)
+    else:
+        batch[EXTRAS] = extras
 
 
 def loss_tokens(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,15 +130,6 @@ def loss_tokens(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
     token. Position t predicts ``target[:, t]``. The one definition training, the step pass and the caches use."""
     target = inputs["shift_labels"] if "shift_labels" in inputs else inputs["labels"][:, 1:]
     return target, target != -100
-
-
-class Held:
-    """A value a batch carries past the Trainer's `_prepare_inputs` untouched: it casts float tensors to the DeepSpeed
-    dtype and moves the others (the engine's log-probs of sampled tokens, a task's columns and rewards, teacher
-    prompts)."""
-
-    def __init__(self, value):
-        self.value = value
 
 
 class SignalHolder:
@@ -73,7 +172,7 @@ class SignalHolder:
 def pop_signal(inputs: dict, key: str = SIGNAL) -> SparseTeacherSignal | None:
     """Remove the teacher signal (under `key`: one per teacher when several teach) from a batch (the model must not
     see it), on the batch's device; None for a batch without one."""
-    holder = inputs.pop(key, None)
+    holder = take_signal(inputs, key)
     if holder is None:
         return None
     device = inputs["input_ids"].device
@@ -99,9 +198,8 @@ class PositionIdsCollator:
             rows, width = batch["input_ids"].shape
             batch["position_ids"] = torch.arange(width).expand(rows, width).clone()
         pad_to_multiple(batch, self.multiple, getattr(self.collator, "pad_token_id", None) or 0)
-        for value in batch.values():
-            if isinstance(value, SignalHolder):
-                value.labels = batch["labels"]
+        for holder in extras_of(batch).signals.values():
+            holder.labels = batch["labels"]
         return batch
 
     def __getattr__(self, name):  # the wrapped collator's attributes (e.g. `padding_free`)

@@ -2,7 +2,7 @@
 
 The loss projects only the positions that carry a loss token, so it needs their indices; a mask's indices
 (``nonzero``, boolean-mask indexing) make a GPU wait for the host, once per call. The collator makes its labels on
-the host, and the batch carries that host tensor to the step (`LossTokensCollator`, `LOSS_LAYOUT`), which finds the
+the host, and the batch carries that host tensor to the step (`LossTokensCollator`, `loss_layout`), which finds the
 indices there (numpy) and sends them up without waiting. A batch that comes without them (a stream, whose batches
 accelerate dispatches; labels changed on the way: sequence parallelism's shards) is measured on the device, every
 micro-batch of a step at once: the sizes in one read, the indices at those sizes with `torch.nonzero_static`.
@@ -20,9 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .batch import Held
-
-LOSS_LAYOUT = "loss_token_layout"  # the batch key: ``Held((labels key, the host labels))`` from the collator
+from .batch import add_extras
 
 
 @dataclass(frozen=True)
@@ -103,7 +101,7 @@ class HostLayout:
 
 
 class LossTokensCollator:
-    """Wraps the run's collator: each batch whose labels are on the host also carries them (`LOSS_LAYOUT`), to be
+    """Wraps the run's collator: each batch whose labels are on the host also carries them (`loss_layout`), to be
     read there as the step starts, after whatever the collators around this one did to them in place."""
 
     def __init__(self, collator):
@@ -115,7 +113,7 @@ class LossTokensCollator:
             key = "shift_labels" if "shift_labels" in batch else "labels" if "labels" in batch else None
             labels = batch.get(key)
             if isinstance(labels, Tensor) and labels.device.type == "cpu" and labels.dim() == 2:
-                batch[LOSS_LAYOUT] = Held((key, labels))
+                add_extras(batch, loss_layout=(key, labels))
         return batch
 
     def __getattr__(self, name):  # the wrapped collator's attributes (e.g. `padding_free`)
@@ -167,11 +165,11 @@ class LayoutMemo:
 
     def start_step(self, batches: list[dict], masks: list[Tensor], hosts: list | None = None, flags=None) -> None:
         """Measure the step's micro-batches (`masks`: their loss-token masks) at once; forget the last step's. The
-        collator's host labels (`hosts`: each batch's `LOSS_LAYOUT`, taken off it) when every batch has them and they
+        collator's host labels (`hosts`: each batch's `loss_layout`, taken off it) when every batch has them and they
         fit, each checked on the device against its mask into `flags` (a `runtime.validation.StepFlags`); else one
         read of the device."""
         self.clear()
-        hosts = [None if h is None else HostLayout.of(*h.value) for h in hosts or [None] * len(batches)]
+        hosts = [None if h is None else HostLayout.of(*h) for h in hosts or [None] * len(batches)]
         if not batches:
             return
         if all(h is not None and tuple(h.shape) == tuple(m.shape) for h, m in zip(hosts, masks, strict=True)):

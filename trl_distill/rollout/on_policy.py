@@ -15,18 +15,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..data.batch import Held
+from ..data.batch import add_extras, extras_of, pop_extra
 from ..loss.rollout_correction import RolloutCorrection
 from ..loss.sampled_token import SampledTokenJob, SampledTokenSettings
 from ..teacher.capabilities import SEQ_KD_REFUSAL, Samples, SamplingServer, ScoresSamples, required
 from .sampling import Sampling, seeded
-from .task_rewards import TASK_COLUMNS, TASK_REWARDS
 
 if TYPE_CHECKING:  # the rollout server's client and weight sync: imported by a run that uses one
     from .engine_rollouts import EngineRollouts
-
-# a batch key: the engine's log-prob of every sampled token of a batch, row after row (the loss's row order), `Held`
-ROLLOUT = "rollout_logprobs"
 
 # The three sources of a step's completions
 DATASET, STUDENT, TEACHER = "dataset", "student", "teacher"
@@ -205,11 +201,11 @@ class CompletionSampler:
         self.on_policy = source == STUDENT
         if source == DATASET:
             return inputs, False
-        columns = inputs.get(TASK_COLUMNS)
+        columns = extras_of(inputs).task_columns
         inputs, completions = self.sample(source, run.prepare_inputs(inputs))
         if self.task_rewards is not None and source == STUDENT:  # each sample's task reward, from its row's columns
-            rewards = self.task_rewards.score(columns.value, completions, run.step + 1, run.state)
-            inputs[TASK_REWARDS] = Held(rewards)
+            rewards = self.task_rewards.score(columns, completions, run.step + 1, run.state)
+            add_extras(inputs, task_rewards=rewards)
             self.objective["reward"] += float(rewards.sum())
             self.objective["rewarded"] += len(rewards)
         self.stats["on_policy"] += source == STUDENT
@@ -236,7 +232,7 @@ class CompletionSampler:
             completions, logprobs = engine.sample(prompts, sorted(eos_ids), sampling)
             new_batch = completion_batch(prompts, completions, tokenizer.pad_token_id)
             if engine is self.engine:  # the student's own log-probs, as the engine computed them: the loss's gap
-                new_batch[ROLLOUT] = Held(torch.tensor([x for row in logprobs for x in row]))
+                add_extras(new_batch, rollout_logprobs=torch.tensor([x for row in logprobs for x in row]))
         else:
             processes = run.num_processes
             if source == STUDENT:
@@ -268,22 +264,22 @@ class CompletionSampler:
 
     def pop_correction(self, inputs: dict) -> RolloutCorrection | None:
         """The engine's log-probs of a sampled batch, for the loss to measure (and, if asked, correct) the gap."""
-        held = inputs.pop(ROLLOUT, None)
-        if held is None:
+        logprobs = pop_extra(inputs, "rollout_logprobs")
+        if logprobs is None:
             return None
         args = self.context.args  # (the sampled-token objective then takes ρ against the trainer: `ratio_reference`)
         corrected = args.vllm_importance_sampling_correction
-        return RolloutCorrection(held.value, args.vllm_importance_sampling_clip_max if corrected else None)
+        return RolloutCorrection(logprobs, args.vllm_importance_sampling_clip_max if corrected else None)
 
     def objective_job(self, inputs: dict, training: bool) -> SampledTokenJob | None:
         """The sampled-token objective of this micro-batch (with its samples' task rewards), when it trains on the
         student's own samples under it; else None (the divergence). Takes the rows' columns off the batch."""
-        inputs.pop(TASK_COLUMNS, None)
-        rewards = inputs.pop(TASK_REWARDS, None)
+        pop_extra(inputs, "task_columns")
+        rewards = pop_extra(inputs, "task_rewards")
         args = self.context.args
         if args.on_policy_objective != "sampled_token" or not (training and self.on_policy):
             return None
-        return SampledTokenJob(SampledTokenSettings.of(args), None if rewards is None else rewards.value)
+        return SampledTokenJob(SampledTokenSettings.of(args), rewards)
 
     def observe(self, correction: RolloutCorrection | None, sampled: SampledTokenJob | None = None) -> None:
         """After the loss: count the trainer-vs-engine log-prob gaps it recorded, and the objective's counts."""

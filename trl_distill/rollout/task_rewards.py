@@ -11,19 +11,16 @@ from __future__ import annotations
 
 import torch
 
-from ..data.batch import Held
+from ..data.batch import add_extras
 from ..evaluation.calls import MODEL_COLUMNS, RewardLogs, as_written, plain
 from ..evaluation.generation import before_first_answer, gather_object, reference_completions
 from ..evaluation.references import check_references
 from ..evaluation.verifiers import answer_column, resolve_verifiers
 
-TASK_COLUMNS, TASK_REWARDS = "task_columns", "task_rewards"  # batch keys: the rows' columns, the samples' rewards
-
-
 
 class TaskColumnsCollator:
     """Wraps the trainer's collator: takes the rows' own columns (`names`) off each example and adds them to the
-    batch as lists (`TASK_COLUMNS`)."""
+    batch's extras as lists (`task_columns`)."""
 
     def __init__(self, collator, names: list[str]):
         self.collator, self.names = collator, names
@@ -31,7 +28,7 @@ class TaskColumnsCollator:
     def __call__(self, examples: list[dict]) -> dict:
         columns = {name: [example.get(name) for example in examples] for name in self.names}
         batch = self.collator([{k: v for k, v in example.items() if k not in self.names} for example in examples])
-        batch[TASK_COLUMNS] = Held(columns)
+        add_extras(batch, task_columns=columns)
         return batch
 
 

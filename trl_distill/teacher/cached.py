@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ..cache.reader import TeacherCache
-from ..data.batch import SIGNAL, SignalHolder, pop_signal
+from ..data.batch import SIGNAL, SignalHolder, pop_signal, put_signal
 from .base import TeacherSource
 from .capabilities import OwnBatch, TrainRows
 from .rows import SparseRows
@@ -81,5 +81,5 @@ class CachedTeacherCollator:
     def __call__(self, examples: list[dict]) -> dict:
         rows = [int(example[self.column]) for example in examples]
         batch = self.collator([{k: v for k, v in example.items() if k != self.column} for example in examples])
-        batch[self.key] = SignalHolder(self.cache.signal(rows))
+        put_signal(batch, self.key, SignalHolder(self.cache.signal(rows)))
         return batch

@@ -21,6 +21,7 @@ from ..cross_tokenizer.data import align_example, teacher_prompt_ids
 from ..cross_tokenizer.loss import CrossTokenizerLoss, divergence_at_temperature
 from ..cross_tokenizer.sampled import align_sampled
 from ..cross_tokenizer.vocabulary import shared_vocabulary
+from ..data.batch import CrossTokenizerBatch, add_extras, extras_of, pop_extra
 from ..loss.diagnostics import LossDiagnostics, observe_groups
 from ..loss.divergences import at_temperature
 from ..loss.settings import LossSettings
@@ -38,7 +39,6 @@ TEACHER_IDS, TEACHER_PROMPT = "teacher_input_ids", "teacher_prompt_ids"
 STUDENT_POSITIONS, TEACHER_POSITIONS = "cross_student_positions", "cross_teacher_positions"
 COLUMNS = (TEACHER_IDS, STUDENT_POSITIONS, TEACHER_POSITIONS, TEACHER_PROMPT)
 GROUP_LENGTHS = "cross_group_lengths"  # sampled rows only: each group's student and teacher token counts
-_BATCH = "cross_tokenizer_batch"
 
 
 _REFUSAL = ("A teacher with another tokenizer (cross-tokenizer distillation) does not support {} yet: the teacher "
@@ -55,7 +55,6 @@ class CrossTokenizerTeacher(LiveTeacher, RoutesRows, PreparesDataset, OwnBatch, 
         WritesCache: "`trl-distill cache-teacher` writes the teacher's top-k in the student's token ids; this teacher "
         "has another tokenizer. Train with it live (cross-tokenizer distillation).",
     }
-    batch_key = _BATCH  # what its collator adds to a batch
     routes_own_rows = False  # its own ids come with the whole batch (routed, the loss picks its rows)
 
     def __init__(self, source, init_kwargs: dict | None, student_tokenizer, teacher_tokenizer, args):
@@ -190,7 +189,8 @@ class CrossTokenizerTeacher(LiveTeacher, RoutesRows, PreparesDataset, OwnBatch, 
         """Sampled completions (`batch`) of the prompts of `source` (the collated batch they replace): each row
         re-rendered for the teacher (its own prompt tokens, then its tokens of the completion's text) and aligned
         (`cross_tokenizer.sampled`). A row that does not align trains on CE only."""
-        prompts = source[_BATCH][3] if source is not None and _BATCH in source else None
+        cross = extras_of(source).cross_tokenizer if source is not None else None
+        prompts = cross.prompts if cross is not None else None
         if prompts is None:
             raise ValueError("Sampled completions across tokenizers need the teacher's prompt tokens of their rows: "
                              "the batch they replace carries none.")
@@ -211,8 +211,7 @@ class CrossTokenizerTeacher(LiveTeacher, RoutesRows, PreparesDataset, OwnBatch, 
         self.sampled_rows["rows"] += len(examples)
         self.sampled_rows["unaligned"] += sum(not e[STUDENT_POSITIONS] for e in examples)
         device = batch["input_ids"].device
-        batch[_BATCH] = tuple(x.to(device) if isinstance(x, torch.Tensor) else x
-                              for x in cross_batch(examples, self.teacher_tokenizer.pad_token_id or 0))
+        add_extras(batch, cross_tokenizer=cross_batch(examples, self.teacher_tokenizer.pad_token_id or 0).to(device))
 
     def release(self) -> None:
         super().release()
@@ -298,18 +297,18 @@ def spread_onto_rows(per_token: torch.Tensor, rows: torch.Tensor, s_pos: torch.T
 
 class CrossTokenizerCollator:
     """Wraps the trainer's collator: the teacher's ids, right-padded, and the batch's groups as ``[G, 3]`` (row,
-    student position, teacher position), kept together under one key the model never sees."""
+    student position, teacher position), in the batch's extras (`cross_tokenizer`), which the model never sees."""
 
     def __init__(self, collator, pad_id: int):
         self.collator, self.pad_id = collator, pad_id
 
     def __call__(self, examples: list[dict]) -> dict:
         batch = self.collator([{k: v for k, v in ex.items() if k not in COLUMNS} for ex in examples])
-        batch[_BATCH] = cross_batch(examples, self.pad_id)
+        add_extras(batch, cross_tokenizer=cross_batch(examples, self.pad_id))
         return batch
 
 
-def cross_batch(examples: list[dict], pad_id: int) -> tuple:
+def cross_batch(examples: list[dict], pad_id: int) -> CrossTokenizerBatch:
     """``(teacher ids [B, L], their mask, groups [G, 3] (row, student position, teacher position), the teacher's
     prompt tokens per row, each group's token counts [G, 2] (student, teacher) or None)``: what the cross-tokenizer
     teacher reads of a batch (the counts come with sampled rows, for the sampled-token objective)."""
@@ -322,7 +321,8 @@ def cross_batch(examples: list[dict], pad_id: int) -> tuple:
     lengths = None
     if all(GROUP_LENGTHS in ex for ex in examples):
         lengths = torch.tensor([n for ex in examples for n in ex[GROUP_LENGTHS]], dtype=torch.long).reshape(-1, 2)
-    return teacher_ids, teacher_mask, torch.tensor(groups, dtype=torch.long).reshape(-1, 3), prompts, lengths
+    groups = torch.tensor(groups, dtype=torch.long).reshape(-1, 3)
+    return CrossTokenizerBatch(teacher_ids, teacher_mask, groups, prompts, lengths)
 
 
 class CrossRows(TeacherBatch):
@@ -392,9 +392,11 @@ class CrossTokenizerSignal(TeacherSignal):
         into.add("aligned_row_share", torch.tensor(aligned_rows), rows)
 
 
-def pop_cross_batch(inputs: dict) -> tuple | None:
-    """Remove the teacher's ids and the groups from a batch (the student must not see them); None without."""
-    return inputs.pop(_BATCH, None)
+def pop_cross_batch(inputs: dict) -> CrossTokenizerBatch | None:
+    """Remove the teacher's ids and the groups from a batch (the student must not see them), on the batch's device;
+    None without."""
+    batch = pop_extra(inputs, "cross_tokenizer")
+    return None if batch is None else batch.to(inputs["input_ids"].device)
 
 
 def teacher_inputs(batch: tuple) -> dict:

@@ -22,8 +22,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from ..compat import accelerator_state_kept, sequence_parallelism_hidden
-from ..data.batch import loss_tokens
-from ..data.loss_layout import LOSS_LAYOUT
+from ..data.batch import EXTRAS, loss_tokens
 from ..loss.sparse import top_k_teacher_signal
 from ..model.fused_forward import LossFeatures, add_fused_distillation_forward, gathered, hidden_size
 from ..model.logit_check import announce, probe_inputs, settle_logit_paths
@@ -329,7 +328,7 @@ class LiveTeacher(TeacherSource, OwnEngine, OwnVocabulary, StepHooks, LogitCheck
 
 
 def _model_inputs(batch: dict) -> dict:
-    return {k: v for k, v in batch.items() if k not in ("labels", "shift_labels", LOSS_LAYOUT)}
+    return {k: v for k, v in batch.items() if k not in ("labels", "shift_labels", EXTRAS)}
 
 
 def as_is(features: LossFeatures) -> LossFeatures:

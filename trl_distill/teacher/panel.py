@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..data.batch import SIGNAL, loss_tokens
+from ..data.batch import SIGNAL, add_extras, drop_extras, extras_of, loss_tokens, pop_extra, put_signal, take_signal
 from ..loss.combined import MixtureSignal, RoutedSignal, SumSignal, routed_order
 from .base import TeacherBatch, TeacherSource
 from .cached import ROW, CachedTeacher
@@ -44,7 +44,7 @@ from .capabilities import (
 from .live import LiveTeacher
 from .served import ServedTeacher
 
-ROUTE = "teacher_route"  # the prepared column and the batch key: each row's teacher, by its index in the panel
+ROUTE = "teacher_route"  # the prepared column (the batch's `route`): each row's teacher, by its index in the panel
 DEFAULT_COLUMN, TRL_COLUMN = "teacher", "teacher_id"  # the routing column's default name, and TRL's name for it
 LABEL_KEYS = ("labels", "shift_labels")
 
@@ -224,15 +224,15 @@ class TeacherPanel(TeacherSource, OwnEngine, RoutesRows, PreparesDataset, TrainR
         """Each member of `asking` (``(index, member)``) asked for the signal of its own rows of `batch` only
         (`score`: how, by default its `request`); a member with no rows there gets an empty signal."""
         for i, member in asking:
-            picked = batch[ROUTE] == i
+            picked = extras_of(batch).route == i
             if not picked.any():
-                batch[member.signal_key] = member.no_rows()
+                put_signal(batch, member.signal_key, member.no_rows())
             elif score is None:
-                batch[member.signal_key] = member.request(own_rows(batch, picked))
+                put_signal(batch, member.signal_key, member.request(own_rows(batch, picked)))
             else:
                 rows = own_rows(batch, picked)
                 score(member, rows)
-                batch[member.signal_key] = rows[member.signal_key]
+                put_signal(batch, member.signal_key, take_signal(rows, member.signal_key))
 
     def prepare(self, accelerator, device: torch.device) -> None:
         for member in self.members.values():
@@ -248,8 +248,7 @@ class TeacherPanel(TeacherSource, OwnEngine, RoutesRows, PreparesDataset, TrainR
         if not self.context.logit_paths.settled and batch_samples:  # settled on the whole first batch, each member's
             self._settle_logit_paths(batch_samples[0])  # own inputs there (its own tokens), before any pass runs
         # Each live teacher's once-per-step pass sees the model inputs only (not the others' signals, not the route)
-        own = {ROUTE, *(getattr(m, key, None) for m in self.members.values() for key in ("signal_key", "batch_key"))}
-        plain = [{k: v for k, v in batch.items() if k not in own} for batch in batch_samples]
+        plain = [drop_extras(batch, "route", "signals", "cross_tokenizer") for batch in batch_samples]
         for i, member in enumerate(self.members.values()):
             hooks = member.capability(StepHooks)
             if hooks is not None and self.routed and runs_on_own_rows(member):  # routed: a live teacher runs on
@@ -261,7 +260,7 @@ class TeacherPanel(TeacherSource, OwnEngine, RoutesRows, PreparesDataset, TrainR
     @staticmethod
     def _route(batch: dict) -> torch.Tensor:
         """A batch's rows' teacher indices (every row the first teacher's when no column routes them)."""
-        route = batch.get(ROUTE)
+        route = extras_of(batch).route
         return route if route is not None else torch.zeros(len(batch["input_ids"]), dtype=torch.long)
 
     def _settle_logit_paths(self, batch: dict) -> None:
@@ -273,7 +272,8 @@ class TeacherPanel(TeacherSource, OwnEngine, RoutesRows, PreparesDataset, TrainR
         run.logit_paths.settle(run.wrapped, model_inputs, mask[:, mask.any(0)], extras)
 
     def pop_batch(self, inputs: dict):
-        route = inputs.pop(ROUTE, None)
+        route = pop_extra(inputs, "route")  # (on the batch's device, as its model inputs)
+        route = None if route is None else route.to(inputs["input_ids"].device)
         return route, [popped(member, inputs) for member in self.members.values()]
 
     def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> PanelBatch:
@@ -294,13 +294,13 @@ class TeacherPanel(TeacherSource, OwnEngine, RoutesRows, PreparesDataset, TrainR
     def score_sampled(self, batch: dict, source: dict | None = None) -> None:
         """The student's samples (`batch`) of the prompts of `source`: each row keeps its teacher; each teacher adds
         what it scores them with (a server its top-k, a teacher of another tokenizer its own ids)."""
-        if self.routed and source is not None and ROUTE in source:
-            batch[ROUTE] = source[ROUTE].to(batch["input_ids"].device)
+        if self.routed and source is not None and extras_of(source).route is not None:
+            add_extras(batch, route=extras_of(source).route.to(batch["input_ids"].device))
         asking = [(i, member) for i, member in enumerate(self.members.values()) if self._asks_own_rows(member)]
         for member in self.members.values():
-            if not (self._asks_own_rows(member) and ROUTE in batch):
+            if not (self._asks_own_rows(member) and extras_of(batch).route is not None):
                 member.capability(ScoresSamples).score_sampled(batch, source)
-        if ROUTE in batch:
+        if extras_of(batch).route is not None:
             self._ask(batch, asking, lambda member, rows: member.capability(ScoresSamples).score_sampled(rows, source))
 
     def after_loss(self) -> None:
@@ -378,7 +378,7 @@ class RouteCollator:
     def __call__(self, examples: list[dict]) -> dict:
         route = torch.tensor([int(example[ROUTE]) for example in examples], dtype=torch.long)
         batch = self.collator([{k: v for k, v in example.items() if k != ROUTE} for example in examples])
-        batch[ROUTE] = route
+        add_extras(batch, route=route)
         if self.asking:
             self.ask(batch, self.asking)
         return batch

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..data.batch import Held
+from ..data.batch import EXTRAS, add_extras, extras_of, merge_extras, pop_extra
 from .base import TeacherBatch, TeacherSource
 from .capabilities import (
     LogitChecked,
@@ -31,7 +31,7 @@ from .capabilities import (
 )
 from .teacher_prompts import FLAG, check_teacher_prompts, prompt_problem, splits, template_fields, template_values
 
-TEACHER_PROMPT = "teacher_prompt_ids"  # the prepared column and the batch key: each row's teacher prompt, tokenized
+TEACHER_PROMPT = "teacher_prompt_ids"  # the prepared column: each row's teacher prompt, tokenized
 
 
 def check_teacher_prompt_args(args) -> None:
@@ -209,7 +209,7 @@ class PrivilegedTeacher(TeacherSource, RoutesRows, PreparesDataset, TrainRows, O
         def collate(examples: list[dict]) -> dict:
             prompts = [torch.tensor(example[TEACHER_PROMPT], dtype=torch.long) for example in examples]
             batch = base([{k: v for k, v in example.items() if k != TEACHER_PROMPT} for example in examples])
-            batch[TEACHER_PROMPT] = Held(prompts)
+            add_extras(batch, teacher_prompts=prompts)
             self._score(batch)  # a served teacher's request, on the teacher's rows
             return batch
 
@@ -220,9 +220,10 @@ class PrivilegedTeacher(TeacherSource, RoutesRows, PreparesDataset, TrainRows, O
         scorer = self.inner.capability(ScoresSamples)
         if scorer is None:
             return
-        view = teacher_rows(batch, batch[TEACHER_PROMPT].value, self._pad_id())
+        view = teacher_rows(batch, extras_of(batch).teacher_prompts, self._pad_id())
         before = set(view)
         scorer.score_sampled(view, source)
+        merge_extras(batch, view.pop(EXTRAS, None))
         for key in set(view) - before:
             batch[key] = view[key]
 
@@ -241,14 +242,14 @@ class PrivilegedTeacher(TeacherSource, RoutesRows, PreparesDataset, TrainRows, O
         batches hold)."""
 
     def pop_batch(self, inputs: dict):
-        prompts = inputs.pop(TEACHER_PROMPT, None)
+        prompts = pop_extra(inputs, "teacher_prompts")
         return prompts, completion_starts(inputs["labels"]), popped(self.inner, inputs)
 
     def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> TeacherBatch:
         prompts, starts, own = extras
-        view = teacher_rows(model_inputs, prompts.value, self._pad_id(), starts)
+        view = teacher_rows(model_inputs, prompts, self._pad_id(), starts)
         teacher_mask = torch.zeros_like(view["input_ids"], dtype=torch.bool)
-        rows = [keep[mask[b]] - starts[b] + len(prompts.value[b]) for b in range(mask.shape[0])]
+        rows = [keep[mask[b]] - starts[b] + len(prompts[b]) for b in range(mask.shape[0])]
         every = torch.cat(rows)
         low, high = torch.stack(torch.aminmax(every)).tolist() if every.numel() else (0, 0)  # one read of the device
         if low < 0 or high >= teacher_mask.shape[1]:  # a negative one would wrap: the teacher's next token paired
@@ -263,7 +264,7 @@ class PrivilegedTeacher(TeacherSource, RoutesRows, PreparesDataset, TrainRows, O
 
     def score_sampled(self, batch: dict, source: dict | None = None) -> None:
         """The student's samples of the prompts of `source`: each keeps its row's teacher prompt."""
-        batch[TEACHER_PROMPT] = source[TEACHER_PROMPT]
+        add_extras(batch, teacher_prompts=extras_of(source).teacher_prompts)
         self._score(batch, source)
 
     def after_loss(self) -> None:

@@ -30,7 +30,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from ..data.batch import SIGNAL, SignalHolder, loss_tokens, pop_signal
+from ..data.batch import SIGNAL, SignalHolder, loss_tokens, pop_signal, put_signal, take_signal
 from ..errors import ExternalError
 from ..loss.sparse import SparseTeacherSignal
 from ..runtime.distributed import first_failure
@@ -134,7 +134,7 @@ class ServedTeacher(TeacherSource, OwnBatch, ScoresSamples, SamplingServer, Writ
         """The sampled rows' top-k, asked for at once; under the sampled-token objective only the sampled tokens'
         own log-probs (``prompt_logprobs=0``: a fraction of the bytes)."""
         sampled_only = self.context is not None and self.context.args.on_policy_objective == "sampled_token"
-        batch[self.signal_key] = self.request(batch, sampled_only)
+        put_signal(batch, self.signal_key, self.request(batch, sampled_only))
 
     def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> SparseRows:
         return SparseRows(extras)
@@ -156,7 +156,7 @@ class ServedTeacher(TeacherSource, OwnBatch, ScoresSamples, SamplingServer, Writ
         for rows in mine:
             examples = [columns[i] for i in rows]
             batch = self.context.collate(examples)
-            pending.append((rows, examples, loss_tokens(batch)[1], batch.pop(self.signal_key)))
+            pending.append((rows, examples, loss_tokens(batch)[1], take_signal(batch, self.signal_key)))
         records = []
         for rows, examples, mask, holder in pending:
             signal = holder.signal
@@ -314,7 +314,7 @@ class ServedTeacherCollator:
 
     def __call__(self, examples: list[dict]) -> dict:
         batch = self.collator(examples)
-        batch[self.source.signal_key] = self.source.request(batch)
+        put_signal(batch, self.source.signal_key, self.source.request(batch))
         return batch
 
 
