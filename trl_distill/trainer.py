@@ -18,14 +18,13 @@ from .config import DistillationConfig, as_distillation_config
 from .data import prepare
 from .data.batch import loss_tokens
 from .data.loss_layout import LOSS_LAYOUT, LayoutMemo, LossTokensCollator, streamed
-from .evaluation.fields import eval_sampling_temperature
 from .evaluation.generation import GenerationEvaluation, eval_settings
 from .loss.fused import features_loss
 from .loss.settings import LossSettings
 from .model.fused_forward import add_fused_distillation_forward
 from .model.logit_check import LogitPaths
 from .rollout.learning_rate import warn_learning_rate
-from .rollout.objective_fields import refuse_own_text
+from .rollout.objective_checks import refuse_own_text
 from .rollout.on_policy import (
     DATASET,
     CompletionSampler,
@@ -35,20 +34,22 @@ from .rollout.on_policy import (
     refuse_zero3_student_sampling,
 )
 from .rollout.on_policy import STUDENT as STUDENT_SAMPLES
-from .rollout.sampling import Sampling
 from .rollout.task_rewards import TaskColumnsCollator, check_task_rewards, reward_columns, row_columns
+from .run_plan import resolve
 from .runtime import sequence_parallel, validation
 from .runtime.checkpoints import resume_point, run_record, save_complete_checkpoint, student_identity
 from .runtime.context import RunContext
 from .runtime.guards import Guards
 from .runtime.log_setup import setup_logging
 from .runtime.metrics import DistillMetrics, TrainingBounds
+from .runtime.process_setup import prepare_process
 from .runtime.run_lock import refuse_if_locked, take_run_lock
 from .runtime.validation import StepFlags, check_dataset_not_empty, check_output_dir, run_inputs, shared_vocab_size
 from .teacher import resolve_teacher
 from .teacher.live import STUDENT
 
 logger = logging.getLogger(__name__)
+prepare_process()  # before DeepSpeed is imported or builds an op (a stale build lock removed)
 
 
 class DistillationTrainer(TrainerInternals, SFTTrainer):
@@ -94,6 +95,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         formatting_func=None,
     ):
         args = DistillationConfig(output_dir="distilled-model") if args is None else as_distillation_config(args)
+        self.run_plan = resolve(args)  # how the fields combine, checked once before anything loads
         setup_logging(args)  # rank 0 says what it does (log_level), the others stay quiet (log_level_replica)
         check_output_dir(args.output_dir, run_inputs(args, model, teacher_model, (train_dataset, eval_dataset)))
         refuse_if_locked(args)  # another live run holds output_dir: one line on every rank before anything loads
@@ -296,8 +298,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         from trl.data_utils import is_conversational
 
         args, accelerator = self.args, self.accelerator
-        sampling = Sampling(args.eval_max_new_tokens or args.max_new_tokens, eval_sampling_temperature(args),
-                            args.generation_top_p, args.generation_top_k)
+        sampling = self.run_plan.evaluation.sampling
         view = self.model_columns(dataset)  # what the collator gets, as from the eval DataLoader
 
         def collate(indices):
@@ -359,8 +360,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         the sampler replaces."""
         self.layouts.clear()
         hosts = [b.pop(LOSS_LAYOUT, None) if isinstance(b, dict) else None for b in batch_samples]  # no model sees
-        args = self.args
-        if completion_source(args.lmbda, args.seq_kd, args.seed, self.state.global_step) != DATASET:
+        on_policy = self.run_plan.on_policy
+        if completion_source(on_policy.lmbda, on_policy.seq_kd, self.args.seed, self.state.global_step) != DATASET:
             return
         batches = [self.prepared_inputs(b) for b in batch_samples]
         if batches and all(isinstance(b, dict) and {"labels", "shift_labels"} & set(b) for b in batches):

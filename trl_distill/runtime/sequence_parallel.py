@@ -1,5 +1,5 @@
 """Sequence parallelism (DeepSpeed Ulysses, through accelerate's ``ParallelismConfig(sp_backend="deepspeed")``):
-its settings, and the checks that refuse what cannot combine with it before anything loads.
+the checks that refuse what cannot combine with it before anything loads.
 
 With ``sequence_parallel_size=N`` each group of N ranks trains on one sequence at a time, each rank holding 1/N of
 its positions; attention exchanges heads for positions (all-to-all) so it still sees the whole sequence. The
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
 
 from .. import compat
 
@@ -20,18 +19,6 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 """What Ulysses can wrap (`UlyssesSPAttentionHF.register_with_transformers`, deepspeed 0.19.8): not ``eager``."""
-
-
-@dataclass
-class SequenceParallelFields:
-    """Sequence parallelism for long rows: student and teacher each hold 1/N of every sequence's positions."""
-
-    sequence_parallel_size: int = field(default=1, metadata={
-        "help": "Split each sequence over this many ranks (DeepSpeed Ulysses sequence parallelism), student and "
-        "teacher alike. Must divide the number of processes and each model's attention heads; needs DeepSpeed."})
-    sequence_parallel_attn_implementation: str = field(default="sdpa", metadata={
-        "help": "The attention both models run under sequence parallelism: sdpa, flash_attention_2, "
-        "flash_attention_3 or flex_attention (not eager: it needs the whole 4D mask)."})
 
 
 def sequence_parallel_size(args) -> int:
@@ -54,7 +41,7 @@ def attention_implementation(args) -> str:
 
 
 def check_sequence_parallel_args(args) -> None:
-    """As the config is built: refuse what cannot combine with sequence parallelism (one line naming the fix), then
+    """In `run_plan.resolve`: refuse what cannot combine with sequence parallelism (one line naming the fix), then
     give the Trainer accelerate's `ParallelismConfig` and both models the attention it wraps."""
     size = sequence_parallel_size(args)
     if size < 1:

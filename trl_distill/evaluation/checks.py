@@ -1,36 +1,9 @@
-"""`DistillationConfig` fields of the generation-based evaluation, and their checks as the config is built."""
+"""The checks of the generation-based evaluation's settings (`DistillationConfig`'s fields, checked by
+`run_plan.resolve`), and the eval completions' temperature they default to."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from .verifiers import BUILT_INS, resolve_verifiers
-
-
-@dataclass
-class GenerationEvalFields:
-    """What `evaluate()` generates and how each completion is judged (`trl_distill.evaluation`)."""
-
-    eval_reward_funcs: list[str] | None = field(default=None, metadata={
-        "help": "Judge the student by what it generates: in evaluate() (every eval_steps, at the end, and called "
-        f"directly) it completes the eval split's prompts and these verifiers score each completion: built-ins "
-        f"({', '.join(BUILT_INS)}) or functions with TRL's reward signature as module:function (or module.function). "
-        "The first one decides pass@k (a completion passes at score >= 1). Logs eval_pass@1, "
-        "eval_rewards/NAME/mean, eval_generated_length, eval_eos_rate and eval_teacher_nll."})
-    num_generations_eval: int = field(default=1, metadata={
-        "help": "Completions per eval prompt (TRL's name): n > 1 also logs eval_pass@n (the unbiased estimator of "
-        "Chen et al. 2021) and samples at eval_temperature."})
-    eval_temperature: float | None = field(default=None, metadata={
-        "help": "Sampling temperature of the eval completions; 0 is greedy. Default: greedy with one generation per "
-        "prompt, generation_temperature with several."})
-    eval_max_new_tokens: int | None = field(default=None, metadata={
-        "help": "Tokens generated per eval completion at most (default: max_new_tokens)."})
-    eval_generation_prompts: int | None = field(default=None, metadata={
-        "help": "Generate for the eval split's first N prompts only (default: all); the loss is still taken on all."})
-    eval_answer_column: str | None = field(default=None, metadata={
-        "help": "The eval column the built-in verifiers compare with (default: 'answer', else 'solution')."})
-    eval_answer_pattern: str | None = field(default=None, metadata={
-        "help": "The regular expression regex_match extracts the answer with (its first group, if any)."})
+from .verifiers import resolve_verifiers
 
 
 def check_generation_eval_args(args) -> None:
