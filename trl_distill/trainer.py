@@ -148,13 +148,13 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
                 # from rank 0 and can only concatenate tensors)
                 self.data_collator = LossTokensCollator(self.data_collator)  # where the loss tokens are, on the host
             check_dataset_not_empty(self.train_dataset, "train", "prepared", args.max_length)
-            check_sampling_prompts(self.train_dataset, args)  # lmbda / seq_kd: every row needs a prompt
+            check_sampling_prompts(self.train_dataset, self.run_plan.on_policy)  # lmbda / seq_kd: rows need prompts
             if task_columns is not None:  # each task reward tried on the first rows' reference completions
                 check_task_rewards(args, self.train_dataset, task_columns, self.processing_class, self.state)
             evaluation = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
             for name, dataset in evaluation.items():
                 check_dataset_not_empty(dataset, name, "prepared", args.max_length)
-            if args.eval_reward_funcs:
+            if self.run_plan.evaluation.reward_funcs:
                 self.check_generation_eval(evaluation)
         except ValueError:
             self.run_lock.release()
@@ -189,7 +189,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         {"student": ..., "teacher": ...}, or one "teacher:NAME" per live teacher when several teach."""
         accelerator_args = super()._build_accelerator_args(**kwargs)
         student_plugin = accelerator_args.get("deepspeed_plugin")
-        refuse_zero3_student_sampling(self.args, student_plugin)
+        refuse_zero3_student_sampling(self.run_plan.on_policy, student_plugin)
         teacher_plugins = self.teacher.plugins(self.args, student_plugin)
         if teacher_plugins:
             accelerator_args["deepspeed_plugin"] = {STUDENT: student_plugin, **teacher_plugins}
@@ -298,7 +298,6 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         from trl.data_utils import is_conversational
 
         args, accelerator = self.args, self.accelerator
-        sampling = self.run_plan.evaluation.sampling
         view = self.model_columns(dataset)  # what the collator gets, as from the eval DataLoader
 
         def collate(indices):
@@ -313,7 +312,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
             return accelerator.reduce(totals.to(args.device), reduction="sum").cpu()
 
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        return GenerationEvaluation(eval_settings(args, sampling, dataset), tokenizer,
+        settings = eval_settings(self.run_plan.evaluation, dataset, args.per_device_eval_batch_size, args.seed)
+        return GenerationEvaluation(settings, tokenizer,
                                     accelerator.process_index, accelerator.num_processes, collate, sample,
                                     self.score_samples if self.teacher.scores_samples else None, reduce,
                                     len(dataset) > 0 and is_conversational(dataset[0]))

@@ -21,7 +21,8 @@ from ..loss.sampled_token import SampledTokenJob, SampledTokenSettings
 from .sampling import Sampling, seeded
 from .task_rewards import TASK_COLUMNS, TASK_REWARDS
 
-if TYPE_CHECKING:  # the rollout server's client and weight sync: imported by a run that uses one
+if TYPE_CHECKING:  # annotations: the run's plan, and the rollout server's client (imported by a run that uses one)
+    from ..run_plan import OnPolicyPlan
     from .engine_rollouts import EngineRollouts
 
 # a batch key: the engine's log-prob of every sampled token of a batch, row after row (the loss's row order), `Held`
@@ -52,10 +53,10 @@ def prompts_of(batch: dict) -> list[torch.Tensor]:
     return prompts
 
 
-def check_sampling_prompts(dataset, args) -> None:
+def check_sampling_prompts(dataset, on_policy: OnPolicyPlan) -> None:
     """Before training: one clear error when completions are to be sampled (`lmbda` > 0, `seq_kd`) and prepared rows
     have no prompt to sample from (their first token already carries loss), with their count."""
-    if not (args.lmbda > 0 or args.seq_kd):
+    if not on_policy.samples:
         return
     bare = promptless_rows(dataset)
     if bare:
@@ -151,10 +152,10 @@ def sample_completions(model, batch: dict, generation_kwargs: dict, pad_id: int,
     return completion_batch(prompts, completions, pad_id), completions
 
 
-def refuse_zero3_student_sampling(args, student_plugin) -> None:
+def refuse_zero3_student_sampling(on_policy: OnPolicyPlan, student_plugin) -> None:
     """HF `generate` from a ZeRO-3 student is not supported: one clear error before any engine is built (the
     rollout server samples any student: `use_vllm`)."""
-    if args.lmbda > 0 and not args.use_vllm and student_plugin is not None and student_plugin.zero_stage == 3:
+    if on_policy.lmbda > 0 and not on_policy.use_vllm and student_plugin is not None and student_plugin.zero_stage == 3:
         raise ValueError(
             "On-policy distillation (lmbda > 0) with a ZeRO-3 student needs its completions from the rollout server: "
             "pass --use_vllm with `trl-distill vllm-serve --model STUDENT` running, sample from a ZeRO-2 (or "
