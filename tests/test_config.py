@@ -86,6 +86,9 @@ def test_resolve_returns_the_runs_plan_in_typed_parts():
     assert (plan.on_policy.sampling.max_new_tokens, plan.on_policy.sampling.top_k) == (7, 5)
     assert plan.evaluation.reward_funcs == ("exact_match",) and plan.evaluation.num_generations == 4
     assert (plan.evaluation.sampling.max_new_tokens, plan.evaluation.sampling.temperature) == (3, 1.0)
+    # the eval temperature: greedy for one generation, generation_temperature for several, unless it is given
+    assert [resolve(make(num_generations_eval=n, generation_temperature=0.7, **given)).evaluation.sampling.temperature
+            for n, given in ((1, {}), (4, {}), (4, {"eval_temperature": 0.3}))] == [0.0, 0.7, 0.3]
     assert plan.teachers == () and plan.parallelism.sequence_parallel_size == 1
     assert plan.parallelism.attn_implementation is None and not plan.parallelism.student_deepspeed
     assert resolve(make(teachers=["a=./a", "b=cache:./b"], teacher_combine="sum")).teachers[1].cache == "./b"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .evaluation.checks import check_generation_eval_args, eval_sampling_temperature
+from .evaluation.checks import check_generation_eval_args
 from .loss.settings import LossSettings
 from .rollout.engine_checks import check_engine_args
 from .rollout.objective_checks import check_objective_args
@@ -116,10 +116,13 @@ def _check_schedule(args) -> None:
 
 
 def _plan(args) -> RunPlan:
+    # the eval completions' temperature: the field, else greedy for one generation, generation_temperature for n
+    temperature = args.eval_temperature if args.eval_temperature is not None else \
+        0.0 if args.num_generations_eval == 1 else args.generation_temperature
     evaluation = EvaluationPlan(
         tuple(args.eval_reward_funcs or ()), args.num_generations_eval,
-        Sampling(args.eval_max_new_tokens or args.max_new_tokens, eval_sampling_temperature(args),
-                 args.generation_top_p, args.generation_top_k),
+        Sampling(args.eval_max_new_tokens or args.max_new_tokens, temperature, args.generation_top_p,
+                 args.generation_top_k),
         args.eval_generation_prompts, args.eval_answer_column, args.eval_answer_pattern)
     size = args.sequence_parallel_size
     return RunPlan(

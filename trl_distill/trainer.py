@@ -175,7 +175,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         self.generated: dict[str, float] | None = None  # the generation eval's metrics, for the loop's output
         self.add_callback(TrainingBounds(self.context, self.teacher, self.metrics))
         if self.accelerator.is_main_process:  # on-policy above the learning rate docs/on_policy.md recommends
-            warn_learning_rate(args, lora=hasattr(self.model, "peft_config"))
+            warn_learning_rate(self.run_plan.on_policy, args.learning_rate, lora=hasattr(self.model, "peft_config"))
 
     @property
     def student(self) -> PreTrainedModel:

@@ -1,5 +1,5 @@
-"""The checks of the generation-based evaluation's settings (`DistillationConfig`'s fields, checked by
-`run_plan.resolve`), and the eval completions' temperature they default to."""
+"""The checks of the generation-based evaluation's settings (`DistillationConfig`'s fields), run by
+`run_plan.resolve`."""
 
 from __future__ import annotations
 
@@ -32,9 +32,3 @@ def check_generation_eval_args(args) -> None:
                          "supported: generation runs on whole rows. Drop eval_reward_funcs, or evaluate the saved "
                          "student in a run without sequence parallelism.")
 
-
-def eval_sampling_temperature(args) -> float:
-    """The eval completions' temperature: the field, else greedy for one generation, generation_temperature for n."""
-    if args.eval_temperature is not None:
-        return args.eval_temperature
-    return 0.0 if args.num_generations_eval == 1 else args.generation_temperature
