@@ -16,7 +16,7 @@ from .rollout.engine_checks import check_engine_args
 from .rollout.objective_checks import check_objective_args
 from .rollout.sampling import Sampling
 from .runtime.guards import check_guard_args
-from .runtime.sequence_parallel import attention_implementation, check_sequence_parallel_args
+from .runtime.sequence_parallel import attention_implementation, check_sequence_parallel_args, sequence_parallel_size
 from .runtime.validation import refuse_quantization_without_gpu
 from .teacher.privileged import check_teacher_prompt_args
 from .teacher.resolve import refuse_unsupported
@@ -124,7 +124,7 @@ def _plan(args) -> RunPlan:
         Sampling(args.eval_max_new_tokens or args.max_new_tokens, temperature, args.generation_top_p,
                  args.generation_top_k),
         args.eval_generation_prompts, args.eval_answer_column, args.eval_answer_pattern)
-    size = args.sequence_parallel_size
+    size = sequence_parallel_size(args)  # the field, or accelerate's parallelism_config
     return RunPlan(
         teachers=tuple(args.teachers or ()),
         loss=LossSettings.of(args, None),

@@ -123,7 +123,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         self.student_identity = student_identity(self.model)  # what a checkpoint records of the student
         add_fused_distillation_forward(self.student)
         try:
-            validation.check_router_aux_loss(self.student, self.aux_loss_enabled, args)  # an MoE student's
+            split_over = self.run_plan.parallelism.sequence_parallel_size
+            validation.check_router_aux_loss(self.student, self.aux_loss_enabled, split_over)  # an MoE student's
             self.vocab_size = shared_vocab_size(self.student.config, self.teacher.vocab_config(self.student.config),
                                                 self.processing_class)
             self.logit_paths = LogitPaths(self.accelerator, self.teacher.logit_candidates, args.bf16 or args.fp16,
