@@ -24,6 +24,16 @@ from .teacher.specs import TeacherSpec, check_teachers
 
 
 @dataclass(frozen=True)
+class TaskRewardPlan:
+    """The task reward of each sampled completion (`task_reward_funcs`): its verifiers, and the answer column and
+    pattern the built-ins compare with."""
+
+    funcs: tuple[str, ...] = ()  # empty: no task reward
+    answer_column: str | None = None
+    answer_pattern: str | None = None
+
+
+@dataclass(frozen=True)
 class OnPolicyPlan:
     """Completions sampled during training: on which share of steps (`lmbda`), by whom, how, and what is learnt."""
 
@@ -32,6 +42,7 @@ class OnPolicyPlan:
     sampling: Sampling
     objective: str  # `constants.OBJECTIVES`
     use_vllm: bool
+    task_rewards: TaskRewardPlan = TaskRewardPlan()
 
     @property
     def samples(self) -> bool:
@@ -130,7 +141,8 @@ def _plan(args) -> RunPlan:
         loss=LossSettings.of(args, None),
         alpha=args.alpha,
         on_policy=OnPolicyPlan(args.lmbda, args.seq_kd, Sampling.from_args(args), args.on_policy_objective,
-                               args.use_vllm),
+                               args.use_vllm, TaskRewardPlan(tuple(args.task_reward_funcs or ()),
+                                                             args.eval_answer_column, args.eval_answer_pattern)),
         evaluation=evaluation,
         precision=Precision(bool(args.bf16), bool(args.fp16)),
         parallelism=Parallelism(bool(args.deepspeed), bool(args.teacher_deepspeed), size,

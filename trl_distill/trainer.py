@@ -95,7 +95,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         formatting_func=None,
     ):
         args = DistillationConfig(output_dir="distilled-model") if args is None else as_distillation_config(args)
-        self.run_plan = resolve(args)  # how the fields combine, checked once before anything loads
+        plan = self.run_plan = resolve(args)  # how the fields combine, checked once before anything loads
         setup_logging(args)  # rank 0 says what it does (log_level), the others stay quiet (log_level_replica)
         check_output_dir(args.output_dir, run_inputs(args, model, teacher_model, (train_dataset, eval_dataset)))
         refuse_if_locked(args)  # another live run holds output_dir: one line on every rank before anything loads
@@ -123,8 +123,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         self.student_identity = student_identity(self.model)  # what a checkpoint records of the student
         add_fused_distillation_forward(self.student)
         try:
-            split_over = self.run_plan.parallelism.sequence_parallel_size
-            validation.check_router_aux_loss(self.student, self.aux_loss_enabled, split_over)  # an MoE student's
+            split_over = plan.parallelism.sequence_parallel_size  # an MoE student's router loss cannot be split
+            validation.check_router_aux_loss(self.student, self.aux_loss_enabled, split_over)
             self.vocab_size = shared_vocab_size(self.student.config, self.teacher.vocab_config(self.student.config),
                                                 self.processing_class)
             self.logit_paths = LogitPaths(self.accelerator, self.teacher.logit_candidates, args.bf16 or args.fp16,
@@ -141,21 +141,22 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
             # the collators, composed once: SFT's (or the caller's) innermost, then the teacher kind's, then
             # sequence parallelism's position ids outermost
             self.data_collator = sequence_parallel.collator(self.teacher.collator(self.data_collator), args)
-            task_columns = reward_columns(args, self.train_dataset, self.teacher.columns) if args.task_reward_funcs \
-                else None
+            task_columns = reward_columns(plan.on_policy.task_rewards, self.train_dataset, self.teacher.columns,
+                                          warn=args.process_index == 0)  # None: no task reward
             if task_columns is not None:  # the rows' own columns travel with the batch, for the reward functions
                 self.data_collator = TaskColumnsCollator(self.data_collator, task_columns)
             if not streamed(self.train_dataset, self.eval_dataset):  # (accelerate dispatches a stream's batches
                 # from rank 0 and can only concatenate tensors)
                 self.data_collator = LossTokensCollator(self.data_collator)  # where the loss tokens are, on the host
             check_dataset_not_empty(self.train_dataset, "train", "prepared", args.max_length)
-            check_sampling_prompts(self.train_dataset, self.run_plan.on_policy)  # lmbda / seq_kd: rows need prompts
+            check_sampling_prompts(self.train_dataset, plan.on_policy)  # lmbda / seq_kd: every row needs a prompt
             if task_columns is not None:  # each task reward tried on the first rows' reference completions
-                check_task_rewards(args, self.train_dataset, task_columns, self.processing_class, self.state)
+                check_task_rewards(plan.on_policy.task_rewards, self.train_dataset, task_columns,
+                                   self.processing_class, self.state)
             evaluation = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
             for name, dataset in evaluation.items():
                 check_dataset_not_empty(dataset, name, "prepared", args.max_length)
-            if self.run_plan.evaluation.reward_funcs:
+            if plan.evaluation.reward_funcs:
                 self.check_generation_eval(evaluation)
         except ValueError:
             self.run_lock.release()
@@ -169,14 +170,14 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         self.guards = Guards(self.context)  # a non-finite loss, on-policy collapse, a teacher worse than the student
         self.metrics = DistillMetrics(self.context, self.guards, self.eval_metric_values)
         # on-policy / sequence-level (lmbda, seq_kd), and the task reward of the student's samples
-        self.sampler = CompletionSampler(self.context, self.teacher, task_columns)
+        self.sampler = CompletionSampler(self.context, self.teacher, plan.on_policy, task_columns)
         # sequence parallelism: what it changes in this process (both models' attention), undone as training ends
         self.sequence_parallel_scope = (sequence_parallel.SequenceParallelScope(args)
                                         if sequence_parallel.sequence_parallel_size(args) > 1 else None)
         self.generated: dict[str, float] | None = None  # the generation eval's metrics, for the loop's output
         self.add_callback(TrainingBounds(self.context, self.teacher, self.metrics))
         if self.accelerator.is_main_process:  # on-policy above the learning rate docs/on_policy.md recommends
-            warn_learning_rate(self.run_plan.on_policy, args.learning_rate, lora=hasattr(self.model, "peft_config"))
+            warn_learning_rate(plan.on_policy, args.learning_rate, lora=hasattr(self.model, "peft_config"))
 
     @property
     def student(self) -> PreTrainedModel:

@@ -167,13 +167,14 @@ class CompletionSampler:
     """A `DistillationTrainer`'s on-policy / sequence-level side: draws each step's source, samples the completions
     and counts what it sampled for the logs (`on_policy_fraction`, `generated_length`)."""
 
-    def __init__(self, context, teacher, task_columns: list[str] | None = None):
+    def __init__(self, context, teacher, plan: OnPolicyPlan, task_columns: list[str] | None = None):
         self.context, self.teacher = context, teacher  # the run, and its teacher (which scores sampled rows)
+        self.plan = plan  # the run's on-policy plan: when, how and what is sampled
         self.task_rewards = None  # `task_reward_funcs`: the reward of each sampled completion
         if task_columns is not None:
             from .task_rewards import TaskRewards
 
-            self.task_rewards = TaskRewards(context.args, context.tokenizer, task_columns)
+            self.task_rewards = TaskRewards(plan.task_rewards, context.tokenizer, task_columns)
         # the sampled-token objective's counts since the last log: advantage, gap (and the tokens with a teacher
         # log-prob), clipped, tokens; reward, rows
         self.objective = dict.fromkeys(("advantage", "gap", "gap_tokens", "clipped", "tokens", "reward", "rewarded"),
@@ -181,7 +182,7 @@ class CompletionSampler:
         self.stats = dict.fromkeys(("micro_steps", "on_policy", "rows", "tokens", "ended", "ngrams", "repeated"), 0)
         self.on_policy = False  # whether the current micro-batch's completions are the student's own samples
         self.engine = None
-        if context.args.use_vllm:  # the rollout server
+        if plan.use_vllm:  # the rollout server
             from .engine_rollouts import EngineRollouts
 
             self.engine = EngineRollouts(context)
@@ -195,12 +196,12 @@ class CompletionSampler:
 
     @property
     def active(self) -> bool:
-        return self.context.args.lmbda > 0 or self.context.args.seq_kd
+        return self.plan.samples
 
     def maybe_resample(self, inputs: dict) -> tuple[dict, bool]:
         """The micro-batch to train on, and whether its completions were sampled (not the dataset's)."""
-        run, args = self.context, self.context.args
-        source = completion_source(args.lmbda, args.seq_kd, args.seed, run.step)
+        run = self.context
+        source = completion_source(self.plan.lmbda, self.plan.seq_kd, run.args.seed, run.step)
         self.stats["micro_steps"] += 1
         self.on_policy = source == STUDENT
         if source == DATASET:
@@ -229,7 +230,7 @@ class CompletionSampler:
         `sampling`: other settings than training's (evaluation); `score`: have the teacher score the new rows."""
         run, tokenizer = self.context, self.tokenizer
         eos_ids = {tokenizer.eos_token_id}
-        kwargs = (sampling or Sampling.from_args(run.args)).generate_kwargs(sorted(eos_ids))
+        kwargs = (sampling or self.plan.sampling).generate_kwargs(sorted(eos_ids))
         engine = self._engine_for(source)
         if engine is not None:  # a vLLM server samples: the student's rollout server, or a served teacher's
             prompts = prompts_of(batch)
