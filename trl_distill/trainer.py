@@ -140,7 +140,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
             sequence_parallel.check_sharded_attention(self.student, args, "student")  # long rows split over ranks
             # the collators, composed once: SFT's (or the caller's) innermost, then the teacher kind's, then
             # sequence parallelism's position ids outermost
-            self.data_collator = sequence_parallel.collator(self.teacher.collator(self.data_collator), args)
+            self.data_collator = sequence_parallel.collator(self.teacher.collator(self.data_collator), plan.parallelism)
             task_columns = reward_columns(plan.on_policy.task_rewards, self.train_dataset, self.teacher.columns,
                                           warn=args.process_index == 0)  # None: no task reward
             if task_columns is not None:  # the rows' own columns travel with the batch, for the reward functions
@@ -172,8 +172,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         # on-policy / sequence-level (lmbda, seq_kd), and the task reward of the student's samples
         self.sampler = CompletionSampler(self.context, self.teacher, plan.on_policy, task_columns)
         # sequence parallelism: what it changes in this process (both models' attention), undone as training ends
-        self.sequence_parallel_scope = (sequence_parallel.SequenceParallelScope(args)
-                                        if sequence_parallel.sequence_parallel_size(args) > 1 else None)
+        self.sequence_parallel_scope = (sequence_parallel.SequenceParallelScope(plan.parallelism)
+                                        if plan.parallelism.sequence_parallel_size > 1 else None)
         self.generated: dict[str, float] | None = None  # the generation eval's metrics, for the loop's output
         self.add_callback(TrainingBounds(self.context, self.teacher, self.metrics))
         if self.accelerator.is_main_process:  # on-policy above the learning rate docs/on_policy.md recommends

@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 from .. import compat
+
+if TYPE_CHECKING:
+    from ..run_plan import Parallelism
 
 logger = logging.getLogger(__name__)
 
@@ -149,15 +153,15 @@ def check_models_before_loading(args, student, teacher) -> None:
     check_sequence_parallel_models(args, {"student": config_of(student), "teacher": config_of(teacher)})
 
 
-def collator(base, args):
+def collator(base, parallelism: Parallelism):
     """`base` wrapped so that every batch carries position ids, padded to a multiple of the size (the outermost
     collator: a teacher signal of whole rows learns its labels, to be split per rank); `base` without sequence
     parallelism."""
-    if sequence_parallel_size(args) == 1:
+    if parallelism.sequence_parallel_size == 1:
         return base
     from ..data.batch import PositionIdsCollator
 
-    return PositionIdsCollator(base, sequence_parallel_size(args))
+    return PositionIdsCollator(base, parallelism.sequence_parallel_size)
 
 
 class SequenceParallelScope:
@@ -166,10 +170,10 @@ class SequenceParallelScope:
     as the student is prepared, and `start` puts ours over it) and DeepSpeed's sequence-parallel groups. A later
     trainer in the same process (data-parallel, another size) starts from what this one found."""
 
-    def __init__(self, args):
+    def __init__(self, parallelism: Parallelism):
         from ..compat import attention_override, deepspeed_sequence_groups
 
-        self.args, self.implementation = args, attention_implementation(args)
+        self.size, self.implementation = parallelism.sequence_parallel_size, parallelism.attn_implementation
         self.found = attention_override(self.implementation), deepspeed_sequence_groups()
         self.attention = None  # the installed `ShardedAttention`, from the first step to the end of training
 
@@ -182,7 +186,7 @@ class SequenceParallelScope:
 
         self.attention = install_sharded_attention(self.implementation, lambda: context.training)
         if batch_samples and context.accelerator.is_main_process:
-            size, width = sequence_parallel_size(self.args), batch_samples[0]["input_ids"].shape[1]
+            size, width = self.size, batch_samples[0]["input_ids"].shape[1]
             logger.info(f"trl_distill: sequence parallelism {size} (DeepSpeed Ulysses, {self.implementation} "
                         f"attention): each rank holds {width} of every {width * size}-token row's positions, student "
                         "and teacher alike.")
