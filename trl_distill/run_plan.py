@@ -127,6 +127,7 @@ def _check_schedule(args) -> None:
 
 
 def _plan(args) -> RunPlan:
+    """The run's plan from its checked arguments."""
     # the eval completions' temperature: the field, else greedy for one generation, generation_temperature for n
     temperature = args.eval_temperature if args.eval_temperature is not None else \
         0.0 if args.num_generations_eval == 1 else args.generation_temperature
