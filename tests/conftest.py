@@ -7,6 +7,7 @@ from rank_pool import RankPool
 from transformers import AutoTokenizer
 
 from trl_distill import testing
+from trl_distill.runtime.process_setup import prepare_process
 from trl_distill.testing import (
     VLLM_VENV,
     build_sentencepiece_style_tokenizer,
@@ -22,6 +23,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # No test reaches a hub: a name that is not a local path asks a closed port on this machine, never an outside address
 os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")
+prepare_process()  # as a run's process does before DeepSpeed: the suite's own warnings quiet, its build directory
 SCRIPTS = Path(__file__).parent / "scripts"
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

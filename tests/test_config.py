@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from trl_distill import LOSS_TYPES, DistillationConfig
+from trl_distill.run_plan import resolve
 
 
 def make(**kwargs):
@@ -34,15 +35,80 @@ def test_every_divergence_accepted(divergence):
         ({"beta": -0.1}, r"beta must be in \[0, 1\]"),
         ({"skew_alpha": 2.0}, r"skew_alpha must be in \[0, 1\]"),
         ({"loss_chunk_size": 0}, "loss_chunk_size must be a positive integer"),
-        (
-            {"auto_find_batch_size": True, "deepspeed": {"zero_optimization": {"stage": 2}}},
-            "auto_find_batch_size is not supported with DeepSpeed",
-        ),
     ],
 )
 def test_bad_values_fail_with_the_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
         make(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"auto_find_batch_size": True, "teacher_deepspeed": {"zero_optimization": {"stage": 3}}},
+            "auto_find_batch_size is not supported with DeepSpeed",
+        ),
+        ({"save_steps": 0}, "save_steps must be > 0 with save_strategy 'steps', got 0"),
+        ({"num_train_epochs": 0}, "num_train_epochs=0 trains nothing"),
+    ],
+)
+def test_settings_that_cannot_combine_fail_with_the_fix_as_the_run_is_resolved(kwargs, message):
+    config = make(**kwargs)  # each field alone is a value a run may take
+    with pytest.raises(ValueError, match=message):
+        resolve(config)
+
+
+def test_auto_find_batch_size_with_a_deepspeed_student_fails_as_the_run_is_resolved(tmp_path):
+    """(A fresh interpreter: a DeepSpeed student's config sets up DeepSpeed's process state on CPU as it is built.)"""
+    import subprocess
+    import sys
+
+    code = (
+        "from trl_distill import DistillationConfig\n"
+        "from trl_distill.run_plan import resolve\n"
+        f"args = DistillationConfig(output_dir={str(tmp_path)!r}, deepspeed={{'zero_optimization': {{'stage': 2}}}}, "
+        "auto_find_batch_size=True, bf16=False, report_to='none')\n"
+        "try:\n    resolve(args)\nexcept ValueError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.splitlines()[-1].startswith(
+        "auto_find_batch_size is not supported with DeepSpeed here: retrying a smaller batch would rebuild the "
+        "student's engine but not the teacher's."), out.stderr[-2000:]
+
+
+def test_resolve_returns_the_runs_plan_in_typed_parts():
+    plan = resolve(make(divergence="jsd", beta=0.3, alpha=0.7, lmbda=0.5, max_new_tokens=7, generation_top_k=5,
+                        eval_reward_funcs="exact_match", num_generations_eval=4, eval_max_new_tokens=3))
+    assert (plan.loss.divergence, plan.loss.beta, plan.loss.vocab_size, plan.alpha) == ("jsd", 0.3, None, 0.7)
+    assert plan.loss.kd_grad and plan.loss.ce_grad
+    assert (plan.on_policy.lmbda, plan.on_policy.samples, plan.on_policy.objective) == (0.5, True, "divergence")
+    assert (plan.on_policy.sampling.max_new_tokens, plan.on_policy.sampling.top_k) == (7, 5)
+    assert plan.evaluation.reward_funcs == ("exact_match",) and plan.evaluation.num_generations == 4
+    assert (plan.evaluation.sampling.max_new_tokens, plan.evaluation.sampling.temperature) == (3, 1.0)
+    # the eval temperature: greedy for one generation, generation_temperature for several, unless it is given
+    assert [resolve(make(num_generations_eval=n, generation_temperature=0.7, **given)).evaluation.sampling.temperature
+            for n, given in ((1, {}), (4, {}), (4, {"eval_temperature": 0.3}))] == [0.0, 0.7, 0.3]
+    assert plan.teachers == () and plan.parallelism.sequence_parallel_size == 1
+    assert plan.parallelism.attn_implementation is None and not plan.parallelism.student_deepspeed
+    assert resolve(make(teachers=["a=./a", "b=cache:./b"], teacher_combine="sum")).teachers[1].cache == "./b"
+    with pytest.raises(AttributeError):
+        plan.alpha = 0.1  # frozen: what the run was resolved to
+
+
+def test_the_offered_names_are_the_tables_names():
+    """`trl_distill.constants` lists the choices for the config without importing the code behind them."""
+    from trl_distill import constants
+    from trl_distill.evaluation.verifiers import BUILT_INS
+    from trl_distill.loss.divergences import DIVERGENCES
+    from trl_distill.teacher.specs import COMBINE
+
+    assert constants.LOSS_TYPES == tuple(DIVERGENCES) == LOSS_TYPES
+    assert constants.BUILT_IN_VERIFIERS == BUILT_INS and constants.TEACHER_COMBINES == tuple(COMBINE)
+    field = {f.name: f for f in fields(DistillationConfig)}
+    assert field["on_policy_objective"].metadata["choices"] == list(constants.OBJECTIVES) == ["divergence",
+                                                                                             "sampled_token"]
+    assert field["vllm_mode"].metadata["choices"] == ["server", "colocate"]
 
 
 def test_every_field_has_help():
@@ -135,7 +201,8 @@ def test_building_a_config_leaves_the_callers_dicts_alone(tmp_path):
 
 ENV_PROBE = """
 import json, os, sys
-import trl_distill  # (its import sets DeepSpeed's DS_ACCELERATOR; the probe compares what the configs do after it)
+from trl_distill.runtime.process_setup import prepare_process
+prepare_process()  # (DeepSpeed's DS_ACCELERATOR, its build directory: the probe compares what the configs do after it)
 from trl import SFTConfig
 from trl_distill import DistillationConfig
 os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.cli import main as cli_main
+from trl_distill.run_plan import resolve
 from trl_distill.testing import build_tiny_model, build_tokenizer, launch, logged, synthetic_prompt_completion
 
 WORKER = Path(__file__).parent / "scripts" / "lora_worker.py"
@@ -171,8 +172,8 @@ def test_self_teacher_without_a_peft_student_is_refused(tiny_pair, tmp_path):
 
 def test_qlora_is_refused_without_a_gpu(tmp_path):
     with pytest.raises(ValueError, match="need a CUDA GPU"):
-        DistillationConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False,
-                           model_init_kwargs={"quantization_config": {"load_in_4bit": True}})
+        resolve(DistillationConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False,
+                                   model_init_kwargs={"quantization_config": {"load_in_4bit": True}}))
 
 
 FAST = ["--max_steps", "2", "--bf16", "false", "--gradient_checkpointing", "false", "--report_to", "none",

@@ -1,21 +1,28 @@
 """trl_distill: knowledge distillation on top of TRL, with a ZeRO-3 teacher beside a ZeRO-2 student."""
 
+from __future__ import annotations
+
+import importlib
 from typing import TYPE_CHECKING
 
-from .runtime.build_locks import prepare_op_builds
-from .runtime.quiet import quiet_unactionable_warnings
-
-quiet_unactionable_warnings()
-prepare_op_builds()  # before any process group starts: DeepSpeed builds its CPU op then
-
-from .config import DistillationConfig  # noqa: E402
-from .loss.divergences import LOSS_TYPES, divergence  # noqa: E402
-from .loss.fused import chunked_distillation_loss, chunked_divergence  # noqa: E402
-
 if TYPE_CHECKING:
+    from .config import DistillationConfig
+    from .loss.divergences import LOSS_TYPES, divergence
+    from .loss.fused import chunked_distillation_loss, chunked_divergence
     from .trainer import DistillationTrainer
 
 __version__ = "0.1.0"
+
+# Each public name and the module that defines it, imported on first use: `import trl_distill.config` (a command
+# line's `--help`, `plan`, `report`) loads no more of the package than it needs
+PUBLIC = {
+    "LOSS_TYPES": "loss.divergences",
+    "DistillationConfig": "config",
+    "DistillationTrainer": "trainer",
+    "chunked_distillation_loss": "loss.fused",
+    "chunked_divergence": "loss.fused",
+    "divergence": "loss.divergences",
+}
 
 __all__ = [
     "LOSS_TYPES",
@@ -28,14 +35,11 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """`DistillationTrainer` is imported on first use: it pulls in `trl.SFTTrainer` and `datasets` (about 1 s), which
-    `import trl_distill` (a command line's `--help`, `plan`, `report`) does without."""
-    if name == "DistillationTrainer":
-        from .trainer import DistillationTrainer
-
-        return DistillationTrainer
+    """The public name `name`, from its module (`DistillationTrainer` pulls in `trl.SFTTrainer` and `datasets`)."""
+    if name in PUBLIC:
+        return getattr(importlib.import_module(f"{__name__}.{PUBLIC[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), "DistillationTrainer"])
+    return sorted([*globals(), *PUBLIC])

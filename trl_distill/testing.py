@@ -21,6 +21,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
 from .runtime.distributed import free_port
+from .runtime.process_setup import prepare_process
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 # A minimal chat template; assistant turns are marked for SFT's `assistant_only_loss`.
@@ -209,6 +210,7 @@ def launch(
     else:
         raise ValueError(f"launcher must be 'torchrun' or 'accelerate', got {launcher!r}.")
     cmd += [*launcher_args, str(script), *script_args]
+    prepare_process()  # the ranks inherit where DeepSpeed builds its ops, a stale build lock removed here first
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     if _shared_ranks and not own_launch and _shared_ranks[0].accepts(nproc, launcher, tuple(launcher_args)):
         return _shared_ranks[0].run(cmd, str(script), [str(a) for a in script_args], module=bool(launcher_args),

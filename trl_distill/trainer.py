@@ -18,31 +18,31 @@ from .config import DistillationConfig, as_distillation_config
 from .data import prepare
 from .data.batch import loss_tokens, pop_extra
 from .data.loss_layout import LayoutMemo, LossTokensCollator, streamed
-from .evaluation.fields import eval_sampling_temperature
+from .evaluation.checks import check_eval_splits
 from .evaluation.generation import GenerationEvaluation, eval_settings
 from .loss.fused import features_loss
 from .loss.settings import LossSettings
 from .model.fused_forward import add_fused_distillation_forward
 from .model.logit_check import LogitPaths
 from .rollout.learning_rate import warn_learning_rate
-from .rollout.objective_fields import refuse_own_text
+from .rollout.objective_checks import refuse_own_text
 from .rollout.on_policy import (
     DATASET,
     CompletionSampler,
     check_sampling_prompts,
     completion_source,
-    promptless_rows,
     refuse_zero3_student_sampling,
 )
 from .rollout.on_policy import STUDENT as STUDENT_SAMPLES
-from .rollout.sampling import Sampling
 from .rollout.task_rewards import TaskColumnsCollator, check_task_rewards, reward_columns, row_columns
+from .run_plan import resolve
 from .runtime import sequence_parallel, validation
 from .runtime.checkpoints import resume_point, run_record, save_complete_checkpoint, student_identity
 from .runtime.context import RunContext
 from .runtime.guards import Guards
 from .runtime.log_setup import setup_logging
 from .runtime.metrics import DistillMetrics, TrainingBounds
+from .runtime.process_setup import prepare_process
 from .runtime.run_lock import refuse_if_locked, take_run_lock
 from .runtime.validation import StepFlags, check_dataset_not_empty, check_output_dir, run_inputs, shared_vocab_size
 from .teacher import capabilities as can
@@ -50,6 +50,7 @@ from .teacher import resolve_teacher
 from .teacher.live import STUDENT
 
 logger = logging.getLogger(__name__)
+prepare_process()  # before DeepSpeed is imported or builds an op (a stale build lock removed)
 
 
 class DistillationTrainer(TrainerInternals, SFTTrainer):
@@ -95,6 +96,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         formatting_func=None,
     ):
         args = DistillationConfig(output_dir="distilled-model") if args is None else as_distillation_config(args)
+        plan = self.run_plan = resolve(args)  # how the fields combine, checked once before anything loads
         setup_logging(args)  # rank 0 says what it does (log_level), the others stay quiet (log_level_replica)
         check_output_dir(args.output_dir, run_inputs(args, model, teacher_model, (train_dataset, eval_dataset)))
         refuse_if_locked(args)  # another live run holds output_dir: one line on every rank before anything loads
@@ -122,7 +124,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         self.student_identity = student_identity(self.model)  # what a checkpoint records of the student
         add_fused_distillation_forward(self.student)
         try:
-            validation.check_router_aux_loss(self.student, self.aux_loss_enabled, args)  # an MoE student's
+            split_over = plan.parallelism.sequence_parallel_size  # an MoE student's router loss cannot be split
+            validation.check_router_aux_loss(self.student, self.aux_loss_enabled, split_over)
             teacher_vocab = can.vocab_config_of(self.teacher, self.student.config)  # its own, else the student's
             self.vocab_size = shared_vocab_size(self.student.config, teacher_vocab, self.processing_class)
             self.logit_paths = LogitPaths(self.accelerator, can.logit_candidates_of(self.teacher),
@@ -138,23 +141,25 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
             sequence_parallel.check_sharded_attention(self.student, args, "student")  # long rows split over ranks
             # the collators, composed once: SFT's (or the caller's) innermost, then the teacher kind's, then
             # sequence parallelism's position ids outermost
-            self.data_collator = sequence_parallel.collator(can.collator_of(self.teacher, self.data_collator), args)
-            task_columns = reward_columns(args, self.train_dataset, can.columns_of(self.teacher)) \
-                if args.task_reward_funcs else None
+            self.data_collator = sequence_parallel.collator(can.collator_of(self.teacher, self.data_collator),
+                                                            plan.parallelism)
+            task_columns = reward_columns(plan.on_policy.task_rewards, self.train_dataset, can.columns_of(self.teacher),
+                                          warn=args.process_index == 0)  # None: no task reward
             if task_columns is not None:  # the rows' own columns travel with the batch, for the reward functions
                 self.data_collator = TaskColumnsCollator(self.data_collator, task_columns)
             if not streamed(self.train_dataset, self.eval_dataset):  # (accelerate dispatches a stream's batches
                 # from rank 0 and can only concatenate tensors)
                 self.data_collator = LossTokensCollator(self.data_collator)  # where the loss tokens are, on the host
             check_dataset_not_empty(self.train_dataset, "train", "prepared", args.max_length)
-            check_sampling_prompts(self.train_dataset, args)  # lmbda / seq_kd: every row needs a prompt
+            check_sampling_prompts(self.train_dataset, plan.on_policy)  # lmbda / seq_kd: every row needs a prompt
             if task_columns is not None:  # each task reward tried on the first rows' reference completions
-                check_task_rewards(args, self.train_dataset, task_columns, self.processing_class, self.state)
+                check_task_rewards(plan.on_policy.task_rewards, self.train_dataset, task_columns,
+                                   self.processing_class, self.state)
             evaluation = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
             for name, dataset in evaluation.items():
                 check_dataset_not_empty(dataset, name, "prepared", args.max_length)
-            if args.eval_reward_funcs:
-                self.check_generation_eval(evaluation)
+            if plan.evaluation.reward_funcs:
+                check_eval_splits(evaluation, self.generation_evaluation, self.state)
         except ValueError:
             self.run_lock.release()
             if not output_dir_existed and os.path.isdir(args.output_dir) and not os.listdir(args.output_dir):
@@ -167,14 +172,14 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         self.guards = Guards(self.context)  # a non-finite loss, on-policy collapse, a teacher worse than the student
         self.metrics = DistillMetrics(self.context, self.guards, self.eval_metric_values)
         # on-policy / sequence-level (lmbda, seq_kd), and the task reward of the student's samples
-        self.sampler = CompletionSampler(self.context, self.teacher, task_columns)
+        self.sampler = CompletionSampler(self.context, self.teacher, plan.on_policy, task_columns)
         # sequence parallelism: what it changes in this process (both models' attention), undone as training ends
-        self.sequence_parallel_scope = (sequence_parallel.SequenceParallelScope(args)
-                                        if sequence_parallel.sequence_parallel_size(args) > 1 else None)
+        self.sequence_parallel_scope = (sequence_parallel.SequenceParallelScope(plan.parallelism)
+                                        if plan.parallelism.sequence_parallel_size > 1 else None)
         self.generated: dict[str, float] | None = None  # the generation eval's metrics, for the loop's output
         self.add_callback(TrainingBounds(self.context, self.teacher, self.metrics))
         if self.accelerator.is_main_process:  # on-policy above the learning rate docs/on_policy.md recommends
-            warn_learning_rate(args, lora=hasattr(self.model, "peft_config"))
+            warn_learning_rate(plan.on_policy, args.learning_rate, lora=hasattr(self.model, "peft_config"))
 
     @property
     def student(self) -> PreTrainedModel:
@@ -188,7 +193,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         {"student": ..., "teacher": ...}, or one "teacher:NAME" per live teacher when several teach."""
         accelerator_args = super()._build_accelerator_args(**kwargs)
         student_plugin = accelerator_args.get("deepspeed_plugin")
-        refuse_zero3_student_sampling(self.args, student_plugin)
+        refuse_zero3_student_sampling(self.run_plan.on_policy, student_plugin)
         teacher_plugins = can.plugins_of(self.teacher, self.args, student_plugin)
         if teacher_plugins:
             accelerator_args["deepspeed_plugin"] = {STUDENT: student_plugin, **teacher_plugins}
@@ -297,8 +302,6 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         from trl.data_utils import is_conversational
 
         args, accelerator = self.args, self.accelerator
-        sampling = Sampling(args.eval_max_new_tokens or args.max_new_tokens, eval_sampling_temperature(args),
-                            args.generation_top_p, args.generation_top_k)
         view = self.model_columns(dataset)  # what the collator gets, as from the eval DataLoader
         scores = self.teacher.capability(can.ScoresSamples)  # (a cache cannot score the student's samples)
 
@@ -314,7 +317,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
             return accelerator.reduce(totals.to(args.device), reduction="sum").cpu()
 
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        return GenerationEvaluation(eval_settings(args, sampling, dataset), tokenizer,
+        settings = eval_settings(self.run_plan.evaluation, dataset, args.per_device_eval_batch_size, args.seed)
+        return GenerationEvaluation(settings, tokenizer,
                                     accelerator.process_index, accelerator.num_processes, collate, sample,
                                     self.score_samples if scores is not None else None, reduce,
                                     len(dataset) > 0 and is_conversational(dataset[0]))
@@ -326,21 +330,6 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         with torch.no_grad(), self.metrics.scoring_samples() as window, self.compute_loss_context_manager():
             self.compute_loss(self.model, batch)
         return window
-
-    def check_generation_eval(self, evaluation: dict) -> None:
-        """`eval_reward_funcs`, before anything trains: an eval split whose rows have prompts, and verifiers that
-        score its first rows (their reference completions) without raising or miscounting."""
-        if all(dataset is None for dataset in evaluation.values()):
-            raise ValueError("eval_reward_funcs judges what the student generates for the eval split's prompts, and "
-                             "this run has no eval split: pass eval_dataset (--dataset_test_split), or drop "
-                             "eval_reward_funcs.")
-        for name, dataset in evaluation.items():
-            bare = promptless_rows(dataset)
-            if bare:
-                raise ValueError(f"Generation-based evaluation (eval_reward_funcs) completes each eval row's prompt, "
-                                 f"and {bare} of the {len(dataset)} prepared rows of the {name} split have none "
-                                 "(language-modeling text): use a prompt-completion or conversational eval split.")
-            self.generation_evaluation(dataset).check(dataset, name, self.state)
 
     # ---- The teacher once per optimizer step, over all its micro-batches (`teacher.step_pass`) ----
 
@@ -362,8 +351,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         the sampler replaces."""
         self.layouts.clear()
         hosts = [pop_extra(b, "loss_layout") if isinstance(b, dict) else None for b in batch_samples]  # no model sees
-        args = self.args
-        if completion_source(args.lmbda, args.seq_kd, args.seed, self.state.global_step) != DATASET:
+        on_policy = self.run_plan.on_policy
+        if completion_source(on_policy.lmbda, on_policy.seq_kd, self.args.seed, self.state.global_step) != DATASET:
             return
         batches = [self.prepared_inputs(b) for b in batch_samples]
         if batches and all(isinstance(b, dict) and {"labels", "shift_labels"} & set(b) for b in batches):

@@ -14,6 +14,7 @@ from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.cache import TeacherCache
 from trl_distill.loss.divergences import LOSS_TYPES, divergence
 from trl_distill.loss.sparse import top_k_teacher_signal
+from trl_distill.run_plan import resolve
 from trl_distill.teacher import CachedTeacher
 from trl_distill.testing import launch, logged, synthetic_prompt_completion, tiny_run_settings
 
@@ -231,7 +232,7 @@ def test_incomplete_or_missing_cache_and_unsupported_modes_are_refused(tiny_pair
         TeacherCache(tmp_path / "missing")
     for bad in (dict(lmbda=0.5), dict(seq_kd=True), dict(packing=True)):
         with pytest.raises(ValueError, match="teacher cache"):
-            make_config(tmp_path, "bad", teacher_cache=str(full_cache["dir"]), **bad)
+            resolve(make_config(tmp_path, "bad", teacher_cache=str(full_cache["dir"]), **bad))
 
 
 def test_bytes_per_token_follow_k_and_dtype(full_cache):

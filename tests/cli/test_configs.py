@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from trl_distill.cli import make_parser
+from trl_distill.run_plan import resolve
 from trl_distill.runtime.deepspeed_config import load_deepspeed_config
 
 CONFIGS = Path(__file__).parents[2] / "configs"
@@ -72,7 +73,7 @@ def test_every_recipe_parses(recipe, expected):
     for key, value in expected.items():
         assert getattr(model_args if hasattr(model_args, key) else args, key) == value, key
     assert (CONFIGS.parent / args.teacher_deepspeed).is_file()
-    for spec in args.teachers or ():  # a recipe's list of teachers, parsed
+    for spec in resolve(args).teachers:  # a recipe's list of teachers, parsed (as the command line resolves it)
         assert spec.model.endswith("_TEACHER")
         assert spec.deepspeed is None or (CONFIGS.parent / spec.deepspeed).is_file()
 

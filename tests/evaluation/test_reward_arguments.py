@@ -13,6 +13,7 @@ from trl_distill import DistillationConfig
 from trl_distill.evaluation.calls import Verifier, text_of
 from trl_distill.evaluation.verifiers import exact_match, regex_match
 from trl_distill.rollout.task_rewards import TaskRewards, reward_inputs
+from trl_distill.run_plan import resolve
 
 SAMPLED = dict(lmbda=1.0, temperature=1.0, on_policy_objective="sampled_token")
 
@@ -96,9 +97,10 @@ def test_conversational_prompt_completion_rows_give_task_rewards_messages_as_trl
     assert reward_inputs({"prompt": ["count to three", "say hi"]}) == (["count to three", "say hi"], False)
     args = DistillationConfig(output_dir=str(tmp_path / "out"), report_to="none", **SAMPLED,
                               task_reward_funcs=["conversational_rewards:format_reward"])
+    rewards = resolve(args).on_policy.task_rewards  # as the trainer resolves the run
     tokenizer = AutoTokenizer.from_pretrained(tiny_pair["tokenizer"])
     completions = [torch.tensor(tokenizer(text)["input_ids"]) for text in ("one two", "hi")]
-    assert TaskRewards(args, tokenizer, list(columns)).score(columns, completions, 1).tolist() == [1.0, 1.0]
+    assert TaskRewards(rewards, tokenizer, list(columns)).score(columns, completions, 1).tolist() == [1.0, 1.0]
 
 
 ON_POLICY = ["--lmbda", "1", "--temperature", "1", "--on_policy_objective", "sampled_token"]
@@ -195,8 +197,9 @@ def test_the_reference_completion_reaches_a_function_as_the_dataset_holds_it(tin
                 "labels": [[-100, 2], [-100, 4]]}
     args = DistillationConfig(output_dir=str(tmp_path / "out"), report_to="none", **SAMPLED,
                               task_reward_funcs=["gold_rewards:gold"])
+    rewards = resolve(args).on_policy.task_rewards  # as the trainer resolves the run
     samples = [torch.tensor(tokenizer(text)["input_ids"]) for text in (" 3", " 5")]
-    assert TaskRewards(args, tokenizer, ["prompt", "completion"]).score(
+    assert TaskRewards(rewards, tokenizer, ["prompt", "completion"]).score(
         {k: prepared[k] for k in ("prompt", "completion")}, samples, 1).tolist() == [1.0, 0.0]
     rows = Dataset.from_dict(prepared)
     settings = EvalSettings([Verifier("gold", gold)], None, 1, Sampling(4, 1.0, 1.0, 0), 4, None, 0)

@@ -20,6 +20,7 @@ from trl_distill.errors import ExternalError
 from trl_distill.evaluation.references import check_references
 from trl_distill.evaluation.verifiers import resolve_verifiers
 from trl_distill.rollout.task_rewards import TaskRewards, reward_columns
+from trl_distill.run_plan import resolve
 from trl_distill.runtime.checkpoints import is_complete
 from trl_distill.testing import synthetic_prompt_completion, with_answers
 
@@ -126,11 +127,12 @@ def test_trl_style_rewards_get_plain_lists_as_verifiers_and_as_task_rewards(tiny
         assert len({len(value) for value in call.values()}) == 1  # one entry per completion, each
     args = DistillationConfig(output_dir=str(tmp_path / "task"), report_to="none", **SAMPLED,
                               task_reward_funcs=["trl_style:accuracy_reward"])
+    plan = resolve(args).on_policy.task_rewards  # as the trainer resolves the run
     tokenizer = AutoTokenizer.from_pretrained(tiny_pair["tokenizer"])
     rows = with_answers(synthetic_prompt_completion(3))
     columns = {name: rows[name] for name in rows.column_names}  # as `datasets` gives them: Columns
     completions = [torch.tensor(tokenizer(text)["input_ids"]) for text in rows["completion"]]
-    rewards = TaskRewards(args, tokenizer, rows.column_names).score(columns, completions, 1)
+    rewards = TaskRewards(plan, tokenizer, rows.column_names).score(columns, completions, 1)
     assert rewards.tolist() == [1.0, 1.0, 1.0]  # each completion is its own answer
     assert all(type(v) is list for k, v in trl_style.SEEN[-1].items() if k not in ("trainer_state", "log_metric",
                                                                                    "log_extra"))
@@ -158,10 +160,11 @@ def test_a_task_reward_that_raises_or_returns_no_score_per_completion_is_one_lin
                                          f"    {body}\n")
     args = DistillationConfig(output_dir=str(tmp_path / "task"), report_to="none", **SAMPLED,
                               task_reward_funcs=[f"{name}:reward"])
+    rewards = resolve(args).on_policy.task_rewards  # as the trainer resolves the run
     tokenizer = AutoTokenizer.from_pretrained(tiny_pair["tokenizer"])
     completions = [torch.tensor(tokenizer(text)["input_ids"]) for text in ("a b c", "d e f")]
     with pytest.raises(ExternalError) as error:  # training's boundary: one line, exit 1
-        TaskRewards(args, tokenizer, ["prompt"]).score({"prompt": ["x", "y"]}, completions, 3)
+        TaskRewards(rewards, tokenizer, ["prompt"]).score({"prompt": ["x", "y"]}, completions, 3)
     text = str(error.value)
     assert text.startswith("Task reward 'reward' (--task_reward_funcs) ") and message in text, text
     assert "\n" not in text and "--resume_from_checkpoint true" in text and "eval_reward_funcs" not in text
@@ -217,10 +220,11 @@ def test_answers_null_in_every_row_are_refused_and_a_few_are_one_warning(tiny_pa
 def test_task_rewards_compared_with_a_null_column_are_refused_before_training(tmp_path):
     args = DistillationConfig(output_dir=str(tmp_path / "task"), report_to="none", **SAMPLED,
                               task_reward_funcs=["last_number", "exact_match"])
+    rewards = resolve(args).on_policy.task_rewards  # as the trainer resolves the run
     data = with_answers(synthetic_prompt_completion(4)).map(lambda row: {"answer": None})
     with pytest.raises(ValueError, match=r"^--task_reward_funcs: last_number, exact_match compare with the 'answer' "
                                          r"column, which is null in all 4 rows of the train dataset "):
-        reward_columns(args, data, [])
+        reward_columns(rewards, data, [])
 
 
 # ---- Through `trl-distill`: exit codes, one line, nothing of the user's changed ----

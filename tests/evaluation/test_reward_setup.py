@@ -21,6 +21,7 @@ from trl_distill.evaluation.generation import EvalSettings, GenerationEvaluation
 from trl_distill.evaluation.verifiers import resolve_verifiers
 from trl_distill.rollout.sampling import Sampling
 from trl_distill.rollout.task_rewards import TaskColumnsCollator, TaskRewards, row_columns
+from trl_distill.run_plan import resolve
 from trl_distill.teacher.capabilities import columns_of
 from trl_distill.testing import build_tokenizer, tiny_run_settings
 
@@ -185,7 +186,7 @@ def test_what_a_task_reward_logs_is_logged_as_trl_logs_it(tiny_pair, tmp_path, m
     args = DistillationConfig(output_dir=str(tmp_path / "task"), report_to="none", **SAMPLED,
                               task_reward_funcs=["logging_reward:reward"])
     tokenizer = AutoTokenizer.from_pretrained(tiny_pair["tokenizer"])
-    rewards = TaskRewards(args, tokenizer, ["prompt"])
+    rewards = TaskRewards(resolve(args).on_policy.task_rewards, tokenizer, ["prompt"])  # as the trainer resolves it
     means = []
     for texts in (["ab", "abcd"], ["abcdef", "abcdef"]):
         samples = [torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts]

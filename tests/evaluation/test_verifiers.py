@@ -9,6 +9,7 @@ import pytest
 from trl_distill import DistillationConfig
 from trl_distill.evaluation.generation import pass_at_k
 from trl_distill.evaluation.verifiers import find_last_number, resolve_verifiers
+from trl_distill.run_plan import resolve
 
 PROMPTS = ["a", "b", "c", "d"]
 
@@ -74,7 +75,8 @@ def test_pass_at_k_is_the_unbiased_estimator(n, c, k, want):
 
 
 def bad(tmp_path, **fields):
-    return DistillationConfig(output_dir=str(tmp_path / "out"), report_to="none", **fields)
+    """The run these fields describe, resolved (how they combine is checked there, before anything loads)."""
+    return resolve(DistillationConfig(output_dir=str(tmp_path / "out"), report_to="none", **fields))
 
 
 def test_an_unknown_verifier_is_one_line(tmp_path):

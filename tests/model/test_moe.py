@@ -327,13 +327,11 @@ def test_on_policy_the_router_loss_is_taken_on_the_students_own_samples(tokenize
 def test_the_router_loss_under_sequence_parallelism_is_refused(tokenizer):
     """Each rank would balance its own shard of the positions: one line naming both fixes (a student whose forward
     computes a router loss, or not, is judged first)."""
-    from types import SimpleNamespace
-
     from trl_distill.runtime.validation import check_router_aux_loss
 
-    split = SimpleNamespace(parallelism_config=SimpleNamespace(sp_size=2))
+    split = 2  # the run's sequence-parallel size (`RunPlan.parallelism`)
     student = build(tokenizer, "mixtral", 1)
     with pytest.raises(ValueError, match="under sequence parallelism is not supported.*router_aux_loss_coef=0.0"):
         check_router_aux_loss(student, True, split)
     check_router_aux_loss(student, False, split)  # the router loss off: nothing to refuse
-    check_router_aux_loss(student, True, SimpleNamespace(parallelism_config=SimpleNamespace(sp_size=1)))
+    check_router_aux_loss(student, True, 1)

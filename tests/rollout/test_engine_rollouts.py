@@ -7,6 +7,7 @@ import torch
 from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.rollout.engine_client import RolloutServerError, RolloutServerReplyError
 from trl_distill.rollout.on_policy import STUDENT
+from trl_distill.run_plan import resolve
 from trl_distill.testing import VLLM_VENV, free_port, logged, synthetic_prompt_completion, tiny_run_settings
 
 PROBE = "def probe(x):\n    return x + 1\n"
@@ -133,9 +134,10 @@ def test_a_plain_vllm_server_without_weight_routes_is_refused(served, rollout_se
 
 def test_colocate_is_one_line_naming_server_mode():
     with pytest.raises(ValueError, match="vllm_mode='colocate'.*not importable.*Use vllm_mode='server'"):
-        DistillationConfig(output_dir="unused", use_vllm=True, vllm_mode="colocate", lmbda=1.0, report_to="none")
+        resolve(DistillationConfig(output_dir="unused", use_vllm=True, vllm_mode="colocate", lmbda=1.0,
+                                   report_to="none"))
     with pytest.raises(ValueError, match="lmbda=0 samples none"):
-        DistillationConfig(output_dir="unused", use_vllm=True, report_to="none")
+        resolve(DistillationConfig(output_dir="unused", use_vllm=True, report_to="none"))
 
 
 def test_a_student_of_another_tokenizer_than_the_servers_is_refused(rollout_server, tiny_pair, tmp_path,

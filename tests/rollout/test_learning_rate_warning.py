@@ -4,17 +4,19 @@ where a sampled-token run is built: tests/rollout/test_sampled_token_training.py
 
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from trl_distill.rollout.learning_rate import ON_POLICY_LEARNING_RATE, learning_rate_warning
+from trl_distill.rollout.sampling import Sampling
+from trl_distill.run_plan import OnPolicyPlan
 
 DOC = (Path(__file__).parents[2] / "docs" / "on_policy.md").read_text()
 
 
 def args(lmbda=1.0, learning_rate=2e-5, objective="divergence", seq_kd=False):
-    return SimpleNamespace(lmbda=lmbda, learning_rate=learning_rate, on_policy_objective=objective, seq_kd=seq_kd)
+    """The run's on-policy plan and its learning rate."""
+    return OnPolicyPlan(lmbda, seq_kd, Sampling(128, 1.0), objective, use_vllm=False), learning_rate
 
 
 @pytest.mark.parametrize("settings, lora, bound", [
@@ -25,7 +27,7 @@ def args(lmbda=1.0, learning_rate=2e-5, objective="divergence", seq_kd=False):
     (args(learning_rate=1e-3, objective="sampled_token"), True, "1e-4"),
 ])
 def test_above_the_bound_one_line_names_it(settings, lora, bound):
-    line = learning_rate_warning(settings, lora)
+    line = learning_rate_warning(*settings, lora)
     kind = "LoRA" if lora else "full fine-tuning"
     assert line is not None and "\n" not in line
     assert f"above the {bound} docs/on_policy.md recommends for {kind} (LoRA 1e-4, full fine-tuning 5e-5)" in line
@@ -40,7 +42,7 @@ def test_above_the_bound_one_line_names_it(settings, lora, bound):
     (args(lmbda=0.0, learning_rate=3e-3, seq_kd=True), True),  # the teacher's samples: not the student's own
 ])
 def test_within_the_bound_or_off_policy_none(settings, lora):
-    assert learning_rate_warning(settings, lora) is None
+    assert learning_rate_warning(*settings, lora) is None
 
 
 def test_the_doc_states_the_bounds_the_warning_checks():

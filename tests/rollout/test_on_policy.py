@@ -153,3 +153,23 @@ def test_rows_without_a_prompt_are_refused_before_training_with_their_count(tiny
                                 train_dataset=Dataset.from_list(rows))
     plain = DistillationConfig(**tiny_run_settings(output_dir=str(tmp_path / "out"), use_cpu=True))
     DistillationTrainer(tiny_pair["student"], tiny_pair["teacher"], args=plain, train_dataset=Dataset.from_list(rows))
+
+
+@pytest.mark.parametrize("lmbda, use_vllm, stage, refused", [
+    (0.5, False, 3, True), (0.5, True, 3, False), (0.5, False, 2, False), (0.0, False, 3, False)])
+def test_hf_generate_from_a_zero3_student_is_refused_from_the_runs_on_policy_plan(lmbda, use_vllm, stage, refused):
+    from types import SimpleNamespace
+
+    from trl_distill.rollout.on_policy import refuse_zero3_student_sampling
+    from trl_distill.run_plan import resolve
+
+    plan = resolve(DistillationConfig(output_dir="unused", report_to="none", use_cpu=True, lmbda=lmbda,
+                                      use_vllm=use_vllm)).on_policy
+    plugin = SimpleNamespace(zero_stage=stage)
+    if refused:
+        with pytest.raises(ValueError, match=r"^On-policy distillation \(lmbda > 0\) with a ZeRO-3 student needs its "
+                                             "completions from the rollout server: pass --use_vllm"):
+            refuse_zero3_student_sampling(plan, plugin)
+    else:
+        refuse_zero3_student_sampling(plan, plugin)
+    refuse_zero3_student_sampling(plan, None)  # no DeepSpeed student: HF generate samples

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.data.batch import EXTRAS, add_extras, extras_of, loss_tokens
 from trl_distill.rollout.on_policy import STUDENT
+from trl_distill.run_plan import resolve
 from trl_distill.testing import logged, synthetic_prompt_completion, tiny_run_settings
 
 
@@ -129,7 +130,7 @@ def test_a_served_teacher_is_asked_for_the_sampled_tokens_only(served, tmp_path)
 ])
 def test_what_cannot_combine_is_one_line(tmp_path, overrides, message):
     with pytest.raises(ValueError) as error:
-        DistillationConfig(output_dir=str(tmp_path), **{**SAMPLED, **overrides})
+        resolve(DistillationConfig(output_dir=str(tmp_path), **{**SAMPLED, **overrides}))
     assert message in str(error.value) and "\n" not in str(error.value)
 
 

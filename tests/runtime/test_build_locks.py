@@ -56,11 +56,14 @@ def test_a_lock_no_process_holds_is_removed_with_one_line_and_a_held_one_is_kept
 
 
 def test_each_environment_builds_in_its_own_directory_and_a_users_choice_is_kept(tmp_path, monkeypatch):
-    """`import trl_distill` points torch at this environment's directory (this suite's ranks build there too)."""
-    probe = "import os, trl_distill; print(os.environ['TORCH_EXTENSIONS_DIR'])"
+    """The trainer's import (as the command line's entry, a config's device set-up and `testing.launch`: each before
+    DeepSpeed can build an op) points torch at this environment's directory (this suite's ranks build there too);
+    importing the config alone leaves the environment as it is."""
+    probe = "import os, trl_distill.{}; print(os.environ.get('TORCH_EXTENSIONS_DIR'))"
     env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
-    ours = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
-    assert ours.strip() == str(own_build_dir()) == str(build_root())
+    ours, alone = (subprocess.run([sys.executable, "-c", probe.format(module)], env=env, capture_output=True,
+                                  text=True, check=True).stdout for module in ("trainer", "config"))
+    assert ours.strip() == str(own_build_dir()) == str(build_root()) and alone.strip() == "None"
     assert own_build_dir().name.startswith(f"py{sys.version_info.major}{sys.version_info.minor}")
     assert "-env-" in own_build_dir().name and own_build_dir().parent.name == "torch_extensions"
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer, BloomConfig
 from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.data.batch import SignalHolder, shard_signal
 from trl_distill.loss.sparse import SparseTeacherSignal
+from trl_distill.run_plan import resolve
 from trl_distill.runtime.sequence_parallel import check_sequence_parallel_args, check_sequence_parallel_models
 from trl_distill.teacher.step_pass import plain_rows
 from trl_distill.testing import (
@@ -153,9 +154,11 @@ def test_the_step_pass_under_sequence_parallelism_needs_one_length():
 
 
 def test_the_config_refuses_before_anything_else(tmp_path):
-    """One process, sequence_parallel_size 2: refused as `DistillationConfig` is built."""
+    """One process, sequence_parallel_size 2: refused as the run is resolved (`run_plan.resolve`), before the
+    DeepSpeed student the size needs is looked at (a config built without it, so that none is set up here)."""
+    args = DistillationConfig(output_dir=str(tmp_path), sequence_parallel_size=2, use_cpu=True)
     with pytest.raises(ValueError, match=r"sequence_parallel_size=2 must divide the number of processes \(1\)"):
-        DistillationConfig(output_dir=str(tmp_path), sequence_parallel_size=2, deepspeed=ZERO2, use_cpu=True)
+        resolve(args)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -47,6 +47,7 @@ from trl import SFTTrainer  # noqa: F401
 import trl_distill  # noqa: F401
 from trl_distill import testing  # noqa: F401
 from trl_distill.runtime import distributed
+from trl_distill.runtime.process_setup import prepare_process
 
 POLL_S = 0.02
 OWN_MODULES = ("trl_distill",)
@@ -292,6 +293,7 @@ def main() -> None:
     pool = Path(sys.argv[1])
     rank = int(os.environ["RANK"])
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the pytest side asks for the stacks of a hung job
+    prepare_process()  # as a run's device set-up does before its process group builds DeepSpeed's op (a stale lock)
     # The process group every job of this pool shares, as PartialState(backend="gloo") starts it for DeepSpeed on CPU
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     process = Process(json.loads((pool / "launch_env.json").read_text()))

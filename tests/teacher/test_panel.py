@@ -26,6 +26,7 @@ from trl_distill.cli import main as cli_main
 from trl_distill.cli.plan import main as plan_main
 from trl_distill.data.batch import extras_of, loss_tokens
 from trl_distill.loss.divergences import DIVERGENCES
+from trl_distill.run_plan import resolve
 from trl_distill.teacher.served import ServedTeacher
 from trl_distill.testing import (
     build_tiny_model,
@@ -219,7 +220,7 @@ def test_two_zero3_teachers_on_two_processes(tiny_pair, second_teacher, tmp_path
 def test_bad_settings_are_one_line_as_the_config_is_built(tmp_path, overrides, message):
     settings = dict(output_dir=str(tmp_path), teachers=["a=./a", "b=./b", "c=cache:./c"], **overrides)
     with pytest.raises(ValueError) as error:
-        DistillationConfig(**settings)
+        resolve(DistillationConfig(**settings))
     assert message in str(error.value) and "\n" not in str(error.value)
 
 

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.data.batch import EXTRAS, extras_of, loss_tokens
 from trl_distill.rollout.on_policy import STUDENT
+from trl_distill.run_plan import resolve
 from trl_distill.testing import launch, logged, read_rank_records, tiny_run_settings
 
 WORKER = Path(__file__).parents[1] / "scripts" / "panel_worker.py"
@@ -182,7 +183,7 @@ def test_resuming_with_another_set_of_teachers_is_one_line(tiny_pair, second_tea
 ])
 def test_what_several_teachers_on_policy_cannot_do_is_one_line(tmp_path, overrides, message):
     with pytest.raises(ValueError) as error:
-        DistillationConfig(output_dir=str(tmp_path), teachers=["a=./a", "c=cache:./c"], **overrides)
+        resolve(DistillationConfig(output_dir=str(tmp_path), teachers=["a=./a", "c=cache:./c"], **overrides))
     assert message in str(error.value) and "\n" not in str(error.value)
 
 

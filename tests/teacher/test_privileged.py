@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.data.batch import extras_of, loss_tokens, take_signal
 from trl_distill.rollout.on_policy import STUDENT
+from trl_distill.run_plan import resolve
 from trl_distill.teacher.privileged import TEACHER_PROMPT
 from trl_distill.testing import logged, synthetic_prompt_completion, tiny_run_settings
 
@@ -119,7 +120,7 @@ def test_a_served_teacher_reads_its_own_prompt(served, tmp_path):
 def test_what_cannot_combine_is_one_line(tmp_path, overrides, message):
     settings = {"output_dir": str(tmp_path), "teacher_prompt": HINT, "teacher_model_name_or_path": "./t", **overrides}
     with pytest.raises(ValueError) as error:
-        DistillationConfig(**settings)
+        resolve(DistillationConfig(**settings))
     assert message in str(error.value) and "\n" not in str(error.value)
 
 

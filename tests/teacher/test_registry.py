@@ -9,6 +9,7 @@ import pickle
 import pytest
 
 from trl_distill import DistillationConfig, DistillationTrainer
+from trl_distill.run_plan import resolve
 from trl_distill.teacher import CachedTeacher, LiveTeacher, SelfTeacher, ServedTeacher
 from trl_distill.teacher.registry import TEACHER_KINDS, TeacherKind, describe, register_teacher_kind, teacher_kind
 from trl_distill.teacher.specs import TeacherSpec
@@ -36,9 +37,11 @@ def test_the_single_teacher_flags_and_the_teacher_list_describe_the_run_as_specs
     assert served == [TeacherSpec("teacher", server="http://h:8000", served_model="big")]
     assert describe(config(tmp_path, alpha=0.0)) == []
     several = config(tmp_path, teachers=["a=/m", "b=cache:/c", "c=http://h:8000"], teacher_combine="sum")
+    resolve(several)  # the list parsed into specs, as the trainer and the command line resolve it
     assert [(s.name, s.kind) for s in describe(several)] == [("a", "model"), ("b", "cache"), ("c", "server")]
     # what the config holds serialises and builds the same teachers again, through JSON and through pickle
     again = config(tmp_path, teachers=json.loads(several.to_json_string())["teachers"], teacher_combine="sum")
+    resolve(again)
     assert describe(again) == describe(several) == describe(pickle.loads(pickle.dumps(several)))
 
 
@@ -80,9 +83,9 @@ def test_a_trainer_builds_its_teacher_through_the_registry(tiny_pair, tmp_path, 
 
 
 def test_self_twice_in_a_teacher_list_is_one_line(tmp_path):
-    assert [spec.kind for spec in config(tmp_path, teachers=["a=self", "b=/m"]).teachers] == ["self", "model"]
+    assert [spec.kind for spec in resolve(config(tmp_path, teachers=["a=self", "b=/m"])).teachers] == ["self", "model"]
     with pytest.raises(ValueError, match=r"teachers: \['a', 'c'\] are all 'self': the student's base is one teacher"):
-        config(tmp_path, teachers=["a=self", "b=/m", "c=self"])
+        resolve(config(tmp_path, teachers=["a=self", "b=/m", "c=self"]))
 
 
 def test_the_registry_alone_names_the_kinds(monkeypatch):

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from trl_distill import DistillationConfig, DistillationTrainer
+from trl_distill.run_plan import resolve
 from trl_distill.runtime.distributed import free_port
 from trl_distill.teacher.server_client import TeacherServerClient, TeacherServerError
 from trl_distill.testing import synthetic_prompt_completion
@@ -46,7 +47,7 @@ def test_the_trainer_refuses_a_down_server_before_training(tiny_pair, tmp_path):
 ])
 def test_settings_a_served_teacher_cannot_honour_are_refused(tmp_path, bad, message):
     with pytest.raises(ValueError, match=message):
-        DistillationConfig(output_dir=str(tmp_path), teacher_server="http://127.0.0.1:1", **bad)
+        resolve(DistillationConfig(output_dir=str(tmp_path), teacher_server="http://127.0.0.1:1", **bad))
 
 
 def test_a_server_and_a_cache_together_are_refused(tiny_pair, tmp_path):

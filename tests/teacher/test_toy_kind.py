@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.data.batch import loss_tokens
+from trl_distill.run_plan import resolve
 from trl_distill.teacher.base import TeacherSource
 from trl_distill.teacher.kinds import TEACHER_KINDS, SourceForm, TeacherKind, register_kind
 from trl_distill.teacher.rows import DenseRows
@@ -57,7 +58,7 @@ def test_a_kind_registered_in_one_file_trains_on_its_signal(toy_kind, tiny_pair,
     args = DistillationConfig(**tiny_run_settings(
         output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=ROWS, alpha=1.0, temperature=1.0,
         divergence="forward_kl", kd_temperature_scaling=False, save_strategy="no", use_cpu=True, **selected))
-    assert [spec.kind for spec in args.teachers or []] == (["toy"] if "teachers" in selected else [])
+    assert [spec.kind for spec in resolve(args).teachers] == (["toy"] if "teachers" in selected else [])
     trainer = DistillationTrainer(tiny_pair["student"], args=args, train_dataset=synthetic_prompt_completion(ROWS),
                                   processing_class=AutoTokenizer.from_pretrained(tiny_pair["tokenizer"]))
     leaf = trainer.teacher.members["toy"] if "teachers" in selected else trainer.teacher

@@ -32,6 +32,9 @@ SUBCOMMANDS = {"merge": "merge", "plan": "plan", "cache-teacher": "cache_teacher
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `trl-distill` console script and `python -m trl_distill`."""
+    from ..runtime.process_setup import prepare_process
+
+    prepare_process()  # before a subcommand reaches DeepSpeed (a stale build lock removed with one line)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in SUBCOMMANDS:
         return importlib.import_module(f"{__name__}.{SUBCOMMANDS[argv[0]]}").main(argv[1:])

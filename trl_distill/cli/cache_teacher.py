@@ -41,6 +41,7 @@ def main(argv: list[str]) -> None:
 
     from ..cache.writer import fill_teacher_cache, open_teacher_cache
     from ..config import DistillationConfig
+    from ..run_plan import resolve
     from ..teacher.resolve import check_cacheable_teacher
     from .errors import errors_as_messages, faults_as_messages, sigterm_raises
     from .train import build_trainer, check_student_eos, parse_recipe
@@ -50,6 +51,7 @@ def main(argv: list[str]) -> None:
     with sigterm_raises():
         with errors_as_messages("trl-distill cache-teacher"):
             script_args, training_args, model_args, cache_args = parse_recipe(parser, argv)
+            resolve(training_args)  # how the fields combine: one line before anything loads
             check_student_eos(script_args, training_args, model_args)
             directory = training_args.teacher_cache
             if not directory:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..report.history import write_run_record
+from ..run_plan import resolve
 from .errors import (
     Terminated,
     errors_as_messages,
@@ -179,6 +180,7 @@ def main(argv: list[str]) -> None:
     with sigterm_raises():
         with errors_as_messages():
             script_args, training_args, model_args = parse_recipe(make_parser(), argv)
+            resolve(training_args)  # how the fields combine: one line before anything loads
             check_student_eos(script_args, training_args, model_args)
             trainer = build_trainer(script_args, training_args, model_args)
             resume = trainer.resume_point(training_args.resume_from_checkpoint)

@@ -15,6 +15,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from ..rollout.sampling import Sampling
 from .calls import RewardLogs, Verifier, as_written, plain, text_of
 from .references import check_references
 from .verifiers import answer_column, resolve_verifiers
+
+if TYPE_CHECKING:
+    from ..run_plan import EvaluationPlan
 
 logger = logging.getLogger("trl_distill")
 CHECKED_ROWS = 8  # the first rows of an eval split each verifier is tried on before training
@@ -104,13 +108,14 @@ class EvalSettings:
     seed: int
 
 
-def eval_settings(args, sampling: Sampling, dataset) -> EvalSettings:
-    """The settings for `dataset` (a prepared eval split): the built-ins' answer column picked and checked."""
-    column = answer_column(args.eval_reward_funcs, args.eval_answer_column, dataset.column_names,
+def eval_settings(plan: EvaluationPlan, dataset, batch_size: int, seed: int) -> EvalSettings:
+    """The settings for `dataset` (a prepared eval split) from the run's evaluation plan: the built-ins' answer
+    column picked and checked."""
+    funcs = list(plan.reward_funcs)
+    column = answer_column(funcs, plan.answer_column, dataset.column_names,
                            "eval_reward_funcs compare with an answer column, and the eval split")
-    verifiers = resolve_verifiers(args.eval_reward_funcs, column or "answer", args.eval_answer_pattern)
-    return EvalSettings(verifiers, column, args.num_generations_eval, sampling, args.per_device_eval_batch_size,
-                        args.eval_generation_prompts, args.seed)
+    verifiers = resolve_verifiers(funcs, column or "answer", plan.answer_pattern)
+    return EvalSettings(verifiers, column, plan.num_generations, plan.sampling, batch_size, plan.max_prompts, seed)
 
 
 class GenerationEvaluation:

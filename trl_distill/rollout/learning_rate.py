@@ -6,6 +6,10 @@ run is built."""
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..run_plan import OnPolicyPlan
 
 logger = logging.getLogger(__name__)
 
@@ -19,24 +23,24 @@ def rate(value: float) -> str:
     return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
 
 
-def learning_rate_warning(args, lora: bool) -> str | None:
+def learning_rate_warning(on_policy: OnPolicyPlan, learning_rate: float, lora: bool) -> str | None:
     """The one line for an on-policy run (``lmbda > 0``) whose `learning_rate` is above the recommendation for its
     kind of student (`lora`: a PEFT adapter trains), else None."""
-    if not args.lmbda > 0:
+    if not on_policy.lmbda > 0:
         return None
     kind = "LoRA" if lora else "full fine-tuning"
     limit = ON_POLICY_LEARNING_RATE[kind]
-    if not args.learning_rate > limit:
+    if not learning_rate > limit:
         return None
-    objective = f", {args.on_policy_objective} objective" if args.on_policy_objective != "divergence" else ""
+    objective = f", {on_policy.objective} objective" if on_policy.objective != "divergence" else ""
     both = ", ".join(f"{name} {rate(bound)}" for name, bound in ON_POLICY_LEARNING_RATE.items())
-    return (f"On-policy distillation (lmbda={args.lmbda}{objective}) at learning_rate={rate(args.learning_rate)}, "
+    return (f"On-policy distillation (lmbda={on_policy.lmbda}{objective}) at learning_rate={rate(learning_rate)}, "
             f"above the {rate(limit)} docs/on_policy.md recommends for {kind} ({both}): faster runs have ended below "
             "their warm start or collapsed; lower --learning_rate.")
 
 
-def warn_learning_rate(args, lora: bool) -> None:
+def warn_learning_rate(on_policy: OnPolicyPlan, learning_rate: float, lora: bool) -> None:
     """Log `learning_rate_warning`, if any (call on the main process only, once per run)."""
-    line = learning_rate_warning(args, lora)
+    line = learning_rate_warning(on_policy, learning_rate, lora)
     if line is not None:
         logger.warning(line)

@@ -19,25 +19,13 @@ from ..data.batch import add_extras, extras_of, pop_extra
 from ..loss.rollout_correction import RolloutCorrection
 from ..loss.sampled_token import SampledTokenJob, SampledTokenSettings
 from ..teacher.capabilities import SEQ_KD_REFUSAL, Samples, SamplingServer, ScoresSamples, required
-from .sampling import Sampling, seeded
+from .sampling import DATASET, STUDENT, Sampling, completion_source, seeded  # (the sources: re-exported)
 
-if TYPE_CHECKING:  # the rollout server's client and weight sync: imported by a run that uses one
+if TYPE_CHECKING:  # annotations: the run's plan, and the rollout server's client (imported by a run that uses one)
+    from ..run_plan import OnPolicyPlan
     from .engine_rollouts import EngineRollouts
 
 # The three sources of a step's completions
-DATASET, STUDENT, TEACHER = "dataset", "student", "teacher"
-
-
-def completion_source(lmbda: float, seq_kd: bool, seed: int, step: int) -> str:
-    """Where the completions of optimizer step `step` come from: the student with probability `lmbda`, else the
-    teacher when `seq_kd`, else the dataset. A pure function of its arguments (same on every rank and on resume)."""
-    if lmbda > 0:
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        if torch.rand((), generator=generator).item() < lmbda:
-            return STUDENT
-    return TEACHER if seq_kd else DATASET
-
-
 def prompts_of(batch: dict) -> list[torch.Tensor]:
     """`split_prompts` of a batch, with one clear error for a row without a prompt."""
     prompts = split_prompts(batch["input_ids"], batch["labels"], batch["attention_mask"])
@@ -49,10 +37,10 @@ def prompts_of(batch: dict) -> list[torch.Tensor]:
     return prompts
 
 
-def check_sampling_prompts(dataset, args) -> None:
+def check_sampling_prompts(dataset, on_policy: OnPolicyPlan) -> None:
     """Before training: one clear error when completions are to be sampled (`lmbda` > 0, `seq_kd`) and prepared rows
     have no prompt to sample from (their first token already carries loss), with their count."""
-    if not (args.lmbda > 0 or args.seq_kd):
+    if not on_policy.samples:
         return
     bare = promptless_rows(dataset)
     if bare:
@@ -148,10 +136,10 @@ def sample_completions(model, batch: dict, generation_kwargs: dict, pad_id: int,
     return completion_batch(prompts, completions, pad_id), completions
 
 
-def refuse_zero3_student_sampling(args, student_plugin) -> None:
+def refuse_zero3_student_sampling(on_policy: OnPolicyPlan, student_plugin) -> None:
     """HF `generate` from a ZeRO-3 student is not supported: one clear error before any engine is built (the
     rollout server samples any student: `use_vllm`)."""
-    if args.lmbda > 0 and not args.use_vllm and student_plugin is not None and student_plugin.zero_stage == 3:
+    if on_policy.lmbda > 0 and not on_policy.use_vllm and student_plugin is not None and student_plugin.zero_stage == 3:
         raise ValueError(
             "On-policy distillation (lmbda > 0) with a ZeRO-3 student needs its completions from the rollout server: "
             "pass --use_vllm with `trl-distill vllm-serve --model STUDENT` running, sample from a ZeRO-2 (or "
@@ -163,13 +151,14 @@ class CompletionSampler:
     """A `DistillationTrainer`'s on-policy / sequence-level side: draws each step's source, samples the completions
     and counts what it sampled for the logs (`on_policy_fraction`, `generated_length`)."""
 
-    def __init__(self, context, teacher, task_columns: list[str] | None = None):
+    def __init__(self, context, teacher, plan: OnPolicyPlan, task_columns: list[str] | None = None):
         self.context, self.teacher = context, teacher  # the run, and its teacher (which scores sampled rows)
+        self.plan = plan  # the run's on-policy plan: when, how and what is sampled
         self.task_rewards = None  # `task_reward_funcs`: the reward of each sampled completion
         if task_columns is not None:
             from .task_rewards import TaskRewards
 
-            self.task_rewards = TaskRewards(context.args, context.tokenizer, task_columns)
+            self.task_rewards = TaskRewards(plan.task_rewards, context.tokenizer, task_columns)
         # the sampled-token objective's counts since the last log: advantage, gap (and the tokens with a teacher
         # log-prob), clipped, tokens; reward, rows
         self.objective = dict.fromkeys(("advantage", "gap", "gap_tokens", "clipped", "tokens", "reward", "rewarded"),
@@ -177,7 +166,7 @@ class CompletionSampler:
         self.stats = dict.fromkeys(("micro_steps", "on_policy", "rows", "tokens", "ended", "ngrams", "repeated"), 0)
         self.on_policy = False  # whether the current micro-batch's completions are the student's own samples
         self.engine = None
-        if context.args.use_vllm:  # the rollout server
+        if plan.use_vllm:  # the rollout server
             from .engine_rollouts import EngineRollouts
 
             self.engine = EngineRollouts(context)
@@ -191,12 +180,12 @@ class CompletionSampler:
 
     @property
     def active(self) -> bool:
-        return self.context.args.lmbda > 0 or self.context.args.seq_kd
+        return self.plan.samples
 
     def maybe_resample(self, inputs: dict) -> tuple[dict, bool]:
         """The micro-batch to train on, and whether its completions were sampled (not the dataset's)."""
-        run, args = self.context, self.context.args
-        source = completion_source(args.lmbda, args.seq_kd, args.seed, run.step)
+        run = self.context
+        source = completion_source(self.plan.lmbda, self.plan.seq_kd, run.args.seed, run.step)
         self.stats["micro_steps"] += 1
         self.on_policy = source == STUDENT
         if source == DATASET:
@@ -225,7 +214,7 @@ class CompletionSampler:
         `sampling`: other settings than training's (evaluation); `score`: have the teacher score the new rows."""
         run, tokenizer = self.context, self.tokenizer
         eos_ids = {tokenizer.eos_token_id}
-        kwargs = (sampling or Sampling.from_args(run.args)).generate_kwargs(sorted(eos_ids))
+        kwargs = (sampling or self.plan.sampling).generate_kwargs(sorted(eos_ids))
         engine = self._engine_for(source)
         if engine is not None:  # a vLLM server samples: the student's rollout server, or a served teacher's
             prompts = prompts_of(batch)

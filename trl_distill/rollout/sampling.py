@@ -1,4 +1,5 @@
-"""How completions are sampled (`Sampling`: training's settings or evaluation's), whichever engine samples them."""
+"""How completions are sampled (`Sampling`: training's settings or evaluation's), whichever engine samples them,
+and where each step's completions come from (`completion_source`)."""
 
 from __future__ import annotations
 
@@ -40,3 +41,16 @@ def seeded(seed: int | None, device: torch.device):
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         yield
+
+
+DATASET, STUDENT, TEACHER = "dataset", "student", "teacher"
+
+
+def completion_source(lmbda: float, seq_kd: bool, seed: int, step: int) -> str:
+    """Where the completions of optimizer step `step` come from: the student with probability `lmbda`, else the
+    teacher when `seq_kd`, else the dataset. A pure function of its arguments (same on every rank and on resume)."""
+    if lmbda > 0:
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        if torch.rand((), generator=generator).item() < lmbda:
+            return STUDENT
+    return TEACHER if seq_kd else DATASET

@@ -9,6 +9,8 @@ at step 1.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..data.batch import add_extras
@@ -16,6 +18,9 @@ from ..evaluation.calls import MODEL_COLUMNS, RewardLogs, as_written, plain
 from ..evaluation.generation import before_first_answer, gather_object, reference_completions
 from ..evaluation.references import check_references
 from ..evaluation.verifiers import answer_column, resolve_verifiers
+
+if TYPE_CHECKING:
+    from ..run_plan import TaskRewardPlan
 
 
 class TaskColumnsCollator:
@@ -37,17 +42,21 @@ def row_columns(dataset, teacher_columns) -> list[str]:
     return [name for name in dataset.column_names if name not in MODEL_COLUMNS | set(teacher_columns)]
 
 
-def task_verifiers(args, columns: list[str]) -> list:
+def task_verifiers(plan: TaskRewardPlan, columns: list[str]) -> list:
     """The functions `task_reward_funcs` names, the built-ins comparing with the train dataset's answer column."""
-    column = answer_column(args.task_reward_funcs, args.eval_answer_column, columns,
+    funcs = list(plan.funcs)
+    column = answer_column(funcs, plan.answer_column, columns,
                            "task_reward_funcs compare with an answer column, and the train dataset")
-    return resolve_verifiers(args.task_reward_funcs, column or "answer", args.eval_answer_pattern, "task_reward_funcs")
+    return resolve_verifiers(funcs, column or "answer", plan.answer_pattern, "task_reward_funcs")
 
 
-def reward_columns(args, dataset, teacher_columns) -> list[str]:
-    """The train rows' own columns the reward functions get, their references checked (`evaluation.references`)."""
+def reward_columns(plan: TaskRewardPlan, dataset, teacher_columns, warn: bool = True) -> list[str] | None:
+    """The train rows' own columns the reward functions get, their references checked (`evaluation.references`;
+    `warn`: this process says what it found); None without a task reward."""
+    if not plan.funcs:
+        return None
     columns = row_columns(dataset, teacher_columns)
-    check_references(task_verifiers(args, columns), dataset, "the train dataset", warn=args.process_index == 0)
+    check_references(task_verifiers(plan, columns), dataset, "the train dataset", warn=warn)
     return columns
 
 
@@ -63,7 +72,7 @@ def reward_inputs(columns: dict) -> tuple[list | None, bool]:
     return prompts, isinstance(first, list) and bool(first) and isinstance(first[0], dict) and "role" in first[0]
 
 
-def check_task_rewards(args, dataset, columns: list[str], processing_class, state=None) -> None:
+def check_task_rewards(plan: TaskRewardPlan, dataset, columns: list[str], processing_class, state=None) -> None:
     """Before anything trains (every rank alike): each `task_reward_funcs` function scores the first two prepared
     train rows, called as in training (their prompts, their reference completions standing in for the student's
     samples, the rows' `columns`), so a function with another signature, one that raises on every text or returns no
@@ -77,7 +86,7 @@ def check_task_rewards(args, dataset, columns: list[str], processing_class, stat
                         tokenizer.eos_token)
     prompts, conversational = reward_inputs(values)
     completions, ids = reference_completions(values, len(rows), tokenizer, conversational)
-    for verifier in task_verifiers(args, columns):  # (what they log here is of the references: dropped)
+    for verifier in task_verifiers(plan, columns):  # (what they log here is of the references: dropped)
         verifier.score(prompts or [None] * len(rows), completions, values, "on the first rows of the train dataset "
                        "(their reference completions standing in for the student's samples)", completion_ids=ids,
                        trainer_state=state, **RewardLogs().kwargs())
@@ -87,8 +96,8 @@ class TaskRewards:
     """`task_reward_funcs` of one run: the reward of each sampled completion, the functions' scores summed (a
     None score counts 0, as TRL sums its rewards); what they log with TRL's ``log_metric``, logged beside."""
 
-    def __init__(self, args, tokenizer, columns: list[str]):
-        self.verifiers = task_verifiers(args, columns)
+    def __init__(self, plan: TaskRewardPlan, tokenizer, columns: list[str]):
+        self.verifiers = task_verifiers(plan, columns)
         self.tokenizer = tokenizer
         self.logged = RewardLogs()
 

@@ -6,7 +6,7 @@ build is done. A build that is killed midway (a rank killed, Ctrl-C during the f
 later process waits on it forever without a word. By default the directory is user-wide, so two environments (two
 clones' `.venv`) also rewrite each other's `build.ninja` and rebuild the op.
 
-`prepare_op_builds` (run when `trl_distill` is imported, before any process group starts) gives each Python environment
+`prepare_op_builds` (run before any process group starts: `process_setup.prepare_process`) gives each Python environment
 its own directory, unless the user set ``TORCH_EXTENSIONS_DIR``, and removes a lock that no process on this machine
 holds open, saying so in one line. Where it cannot tell (no ``/proc``, or a network filesystem that a build on another
 machine may be writing) it names the file once and leaves it.

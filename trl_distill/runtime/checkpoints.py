@@ -15,23 +15,11 @@ import json
 import logging
 import os
 import re
-from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
 MARKER = "trl_distill_complete.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-
-
-@dataclass
-class ReliabilityFields:
-    """`DistillationConfig`'s resume setting: what a resume must match, and the one way past it."""
-
-    resume_allow_changes: bool = field(
-        default=False,
-        metadata={"help": "Resume a checkpoint even though the teacher or the distillation settings (divergence, "
-                  "temperature, alpha, ...) differ from the run that wrote it. Off: such a resume is refused."},
-    )
 
 
 # What the HF Trainer's JIT checkpoint (`--enable_jit_checkpoint`, transformers 5.x trainer_jit_checkpoint.py)

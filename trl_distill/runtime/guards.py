@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
 
 import torch
 
@@ -28,34 +27,6 @@ logger = logging.getLogger("trl_distill")
 
 class TrainingStopped(ExternalError):
     """A guard stopped the run (a non-finite loss, a collapsed on-policy student); the message has the numbers."""
-
-
-@dataclass
-class GuardFields:
-    """`DistillationConfig` fields: what the run logs beside its loss, and when it stops itself."""
-
-    log_distill_metrics: bool = field(default=True, metadata={
-        "help": "Log top1_agreement, kl_teacher_student, teacher_ce, the entropies (and, per teacher kind, its tail "
-        "mass or aligned share) at every logging step and in evaluate(), measured inside the fused loss on the "
-        "logged step's micro-batches (see distill_metrics_every_step)."})
-    distill_metrics_every_step: bool = field(default=False, metadata={
-        "help": "Measure the diagnostics on every optimizer step and log their mean since the last log (like "
-        "kd_loss), instead of on the logged steps only (every micro-batch of them). Costs a few percent of step time "
-        "where the hidden size is small (docs/benchmarks.md)."})
-    stop_on_nonfinite_loss: bool = field(default=True, metadata={
-        "help": "Stop every rank, before the backward, when the student's loss is NaN or inf on any rank (the last "
-        "complete checkpoint is kept)."})
-    collapse_max_repetition: float = field(default=0.9, metadata={
-        "help": "On-policy: stop when the share of repeated 4-grams in the student's samples (generated_"
-        "repetition_rate) is above this for collapse_patience logging steps in a row. 1 turns it off."})
-    collapse_min_entropy: float = field(default=0.02, metadata={
-        "help": "On-policy: stop when the student's mean entropy (nats) on its own samples "
-        "(on_policy_student_entropy) is below this for collapse_patience logging steps in a row. 0 turns it off."})
-    collapse_patience: int = field(default=3, metadata={
-        "help": "Consecutive logging steps past a collapse bound before the run stops."})
-    teacher_ce_margin: float = field(default=0.0, metadata={
-        "help": "Warn at the first step when the teacher's cross-entropy on the data exceeds the untrained "
-        "student's by more than this (nats): a wrong teacher, or data it does not know (not with alpha=0)."})
 
 
 # Float settings where inf means "no bound" (a timeout, a clip, a margin); every other one must be finite
@@ -79,7 +50,7 @@ def check_finite_settings(args) -> None:
 
 
 def check_guard_args(args) -> None:
-    """One clear error for guard settings that cannot work, as the config is built."""
+    """One clear error for guard settings that cannot work, before anything loads (`run_plan.resolve`)."""
     if not 0 <= args.collapse_max_repetition <= 1:
         raise ValueError(f"collapse_max_repetition must be in [0, 1] (1 turns the guard off), got "
                          f"{args.collapse_max_repetition}.")

@@ -1,4 +1,4 @@
-"""Silence the messages a user can do nothing about, at their source, once, when trl_distill is imported.
+"""Silence the messages a user can do nothing about, at their source, once (`process_setup.prepare_process`).
 
 - DeepSpeed picks its accelerator at import and, on a machine without GPU, warns "Setting accelerator to CPU. If you
   have GPU ... we were unable to detect it." Telling it the answer (``DS_ACCELERATOR=cpu``, its own variable) when

@@ -1,5 +1,5 @@
 """Sequence parallelism (DeepSpeed Ulysses, through accelerate's ``ParallelismConfig(sp_backend="deepspeed")``):
-its settings, and the checks that refuse what cannot combine with it before anything loads.
+the checks that refuse what cannot combine with it before anything loads.
 
 With ``sequence_parallel_size=N`` each group of N ranks trains on one sequence at a time, each rank holding 1/N of
 its positions; attention exchanges heads for positions (all-to-all) so it still sees the whole sequence. The
@@ -12,26 +12,17 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .. import compat
+
+if TYPE_CHECKING:
+    from ..run_plan import Parallelism
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 """What Ulysses can wrap (`UlyssesSPAttentionHF.register_with_transformers`, deepspeed 0.19.8): not ``eager``."""
-
-
-@dataclass
-class SequenceParallelFields:
-    """Sequence parallelism for long rows: student and teacher each hold 1/N of every sequence's positions."""
-
-    sequence_parallel_size: int = field(default=1, metadata={
-        "help": "Split each sequence over this many ranks (DeepSpeed Ulysses sequence parallelism), student and "
-        "teacher alike. Must divide the number of processes and each model's attention heads; needs DeepSpeed."})
-    sequence_parallel_attn_implementation: str = field(default="sdpa", metadata={
-        "help": "The attention both models run under sequence parallelism: sdpa, flash_attention_2, "
-        "flash_attention_3 or flex_attention (not eager: it needs the whole 4D mask)."})
 
 
 def sequence_parallel_size(args) -> int:
@@ -54,7 +45,7 @@ def attention_implementation(args) -> str:
 
 
 def check_sequence_parallel_args(args) -> None:
-    """As the config is built: refuse what cannot combine with sequence parallelism (one line naming the fix), then
+    """In `run_plan.resolve`: refuse what cannot combine with sequence parallelism (one line naming the fix), then
     give the Trainer accelerate's `ParallelismConfig` and both models the attention it wraps."""
     size = sequence_parallel_size(args)
     if size < 1:
@@ -162,15 +153,15 @@ def check_models_before_loading(args, student, teacher) -> None:
     check_sequence_parallel_models(args, {"student": config_of(student), "teacher": config_of(teacher)})
 
 
-def collator(base, args):
+def collator(base, parallelism: Parallelism):
     """`base` wrapped so that every batch carries position ids, padded to a multiple of the size (the outermost
     collator: a teacher signal of whole rows learns its labels, to be split per rank); `base` without sequence
     parallelism."""
-    if sequence_parallel_size(args) == 1:
+    if parallelism.sequence_parallel_size == 1:
         return base
     from ..data.batch import PositionIdsCollator
 
-    return PositionIdsCollator(base, sequence_parallel_size(args))
+    return PositionIdsCollator(base, parallelism.sequence_parallel_size)
 
 
 class SequenceParallelScope:
@@ -179,10 +170,10 @@ class SequenceParallelScope:
     as the student is prepared, and `start` puts ours over it) and DeepSpeed's sequence-parallel groups. A later
     trainer in the same process (data-parallel, another size) starts from what this one found."""
 
-    def __init__(self, args):
+    def __init__(self, parallelism: Parallelism):
         from ..compat import attention_override, deepspeed_sequence_groups
 
-        self.args, self.implementation = args, attention_implementation(args)
+        self.size, self.implementation = parallelism.sequence_parallel_size, parallelism.attn_implementation
         self.found = attention_override(self.implementation), deepspeed_sequence_groups()
         self.attention = None  # the installed `ShardedAttention`, from the first step to the end of training
 
@@ -195,7 +186,7 @@ class SequenceParallelScope:
 
         self.attention = install_sharded_attention(self.implementation, lambda: context.training)
         if batch_samples and context.accelerator.is_main_process:
-            size, width = sequence_parallel_size(self.args), batch_samples[0]["input_ids"].shape[1]
+            size, width = self.size, batch_samples[0]["input_ids"].shape[1]
             logger.info(f"trl_distill: sequence parallelism {size} (DeepSpeed Ulysses, {self.implementation} "
                         f"attention): each rank holds {width} of every {width * size}-token row's positions, student "
                         "and teacher alike.")

@@ -335,14 +335,14 @@ def dataset_sources(dataset) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def check_router_aux_loss(student, enabled: bool, args) -> None:
+def check_router_aux_loss(student, enabled: bool, sequence_parallel_size: int) -> None:
     """A Mixture-of-Experts student whose router load-balancing loss is on (`router_aux_loss_coef`): the loss takes
     it from the student's own forward (`model.fused_forward.router_aux_loss`), so the model must compute one; under
-    sequence parallelism each rank would balance its shard's positions alone: refused."""
+    sequence parallelism (the run's `sequence_parallel_size`) each rank would balance its shard's positions alone:
+    refused."""
     if not enabled:
         return
     from ..model.fused_forward import moe_aux_refusal
-    from .sequence_parallel import sequence_parallel_size
 
     refusal = moe_aux_refusal(student)
     if refusal is not None:
@@ -351,7 +351,7 @@ def check_router_aux_loss(student, enabled: bool, args) -> None:
     if isinstance(coefficient, float) and not math.isfinite(coefficient):  # the model's own (the flag is checked)
         raise ValueError(f"The student's config.json sets router_aux_loss_coef={coefficient}: pass a finite "
                          "--router_aux_loss_coef (e.g. 0.001), or 0.0 to train without the router loss.")
-    if sequence_parallel_size(args) > 1:
+    if sequence_parallel_size > 1:
         raise ValueError("A Mixture-of-Experts student's router load-balancing loss under sequence parallelism is not "
                          "supported: each rank would balance its own shard of the positions. Set "
                          "router_aux_loss_coef=0.0, or sequence_parallel_size=1.")

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..data.batch import loss_tokens
 from ..data.loss_layout import step_layout
 from ..model.fused_forward import gathered
-from ..rollout.on_policy import DATASET, completion_source
+from ..rollout.sampling import DATASET, completion_source
 from ..runtime.sequence_parallel import sequence_parallel_size
 from ..runtime.validation import check_teacher_finite
 from .rows import DenseRows

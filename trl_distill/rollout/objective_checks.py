@@ -1,39 +1,11 @@
-"""`DistillationConfig` fields of the on-policy objective: the full-distribution divergence (`divergence`, as off
-the policy) or the sampled-token policy gradient with an optional task reward (`loss.sampled_token`); TRL GRPO's
-names where it has one (`epsilon`, `epsilon_high`, the reward functions' signature); their checks."""
+"""The checks of the on-policy objective's settings: the full-distribution divergence (`divergence`, as off the
+policy) or the sampled-token policy gradient with an optional task reward (`loss.sampled_token`); TRL GRPO's names
+where it has one (`epsilon`, `epsilon_high`, the reward functions' signature). The fields are `DistillationConfig`'s,
+the checks run in `run_plan.resolve`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-OBJECTIVES = ("divergence", "sampled_token")
-
-
-@dataclass
-class OnPolicyObjectiveFields:
-    """What the student learns from its own samples (``lmbda`` > 0)."""
-
-    on_policy_objective: str = field(default="divergence", metadata={
-        "help": "On the student's own samples: 'divergence' (the `divergence` over the whole vocabulary, as off the "
-        "policy) or 'sampled_token' (a policy gradient on the sampled tokens, reward log p_teacher - log p_student "
-        "per token, plus task_reward_funcs; lmbda=1; reads only the teacher's log-prob of each sampled token).",
-        "choices": list(OBJECTIVES)})
-    sampled_token_kl_coef: float = field(default=1.0, metadata={
-        "help": "sampled_token: the coefficient of the per-token reward log p_teacher(y_t) - log p_student(y_t)."})
-    sampled_token_discount: float = field(default=0.0, metadata={
-        "help": "sampled_token: each token's advantage also sums the later tokens' rewards of its completion, "
-        "discounted by this factor per token (0: its own reward only)."})
-    epsilon: float = field(default=0.2, metadata={
-        "help": "sampled_token: the importance ratio against the engine that sampled is clipped to [1 - epsilon, "
-        "1 + epsilon_high] (TRL GRPO's names; 1 when HF generate sampled)."})
-    epsilon_high: float | None = field(default=None, metadata={
-        "help": "sampled_token: the upper clip of the importance ratio (default: epsilon)."})
-    task_reward_funcs: list[str] | None = field(default=None, metadata={
-        "help": "sampled_token: reward functions of each sampled completion, added to its tokens' advantages "
-        "(minus the micro-batch's mean): the verifiers eval_reward_funcs takes (built-ins, or module:function with "
-        "TRL's reward signature), given the train row's columns."})
-    task_reward_weight: float = field(default=1.0, metadata={
-        "help": "sampled_token: the weight of the task reward beside the teacher's per-token reward."})
+from ..constants import OBJECTIVES
 
 
 def refuse_own_text(args, teacher: bool) -> None:
@@ -49,7 +21,7 @@ def refuse_own_text(args, teacher: bool) -> None:
 
 
 def check_objective_args(args) -> None:
-    """One line for on-policy objective settings that cannot work, as the config is built."""
+    """One line for on-policy objective settings that cannot work, before anything loads."""
     from ..evaluation.verifiers import resolve_verifiers
 
     if isinstance(args.task_reward_funcs, str):  # one name given as a string (a recipe, the API)

@@ -1,0 +1,151 @@
+"""`resolve(args) -> RunPlan`: how a `DistillationConfig`'s fields combine, checked once (one line each, before
+anything loads), and the run's plan in typed parts that functions take instead of the whole config.
+
+The config checks each field alone as it is built; `resolve` checks what needs several (a mode and the teacher that
+refuses it, sampling and the engine, sequence parallelism and what it cannot split) and derives what follows from
+them (several teachers parsed into `TeacherSpec`, accelerate's `ParallelismConfig`). The trainer and the command line
+call it once each; it may run again on a config it resolved (the command line's, handed to the trainer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .evaluation.checks import check_generation_eval_args
+from .loss.settings import LossSettings
+from .rollout.engine_checks import check_engine_args
+from .rollout.objective_checks import check_objective_args
+from .rollout.sampling import Sampling
+from .runtime.guards import check_guard_args
+from .runtime.sequence_parallel import attention_implementation, check_sequence_parallel_args, sequence_parallel_size
+from .runtime.validation import refuse_quantization_without_gpu
+from .teacher.privileged import check_teacher_prompt_args
+from .teacher.resolve import refuse_unsupported
+from .teacher.specs import TeacherSpec, check_teachers
+
+
+@dataclass(frozen=True)
+class TaskRewardPlan:
+    """The task reward of each sampled completion (`task_reward_funcs`): its verifiers, and the answer column and
+    pattern the built-ins compare with."""
+
+    funcs: tuple[str, ...] = ()  # empty: no task reward
+    answer_column: str | None = None
+    answer_pattern: str | None = None
+
+
+@dataclass(frozen=True)
+class OnPolicyPlan:
+    """Completions sampled during training: on which share of steps (`lmbda`), by whom, how, and what is learnt."""
+
+    lmbda: float
+    seq_kd: bool
+    sampling: Sampling
+    objective: str  # `constants.OBJECTIVES`
+    use_vllm: bool
+    task_rewards: TaskRewardPlan = TaskRewardPlan()
+
+    @property
+    def samples(self) -> bool:
+        """Whether any step samples its completions."""
+        return self.lmbda > 0 or self.seq_kd
+
+
+@dataclass(frozen=True)
+class EvaluationPlan:
+    """The generation-based evaluation: which verifiers judge how many completions of which prompts."""
+
+    reward_funcs: tuple[str, ...]  # empty: no generation-based evaluation
+    num_generations: int
+    sampling: Sampling
+    max_prompts: int | None
+    answer_column: str | None
+    answer_pattern: str | None
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What the models train in, as settled for this machine (`model.precision.settle_precision`)."""
+
+    bf16: bool
+    fp16: bool
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """How the run is split: DeepSpeed for the student and the teacher, and sequence parallelism."""
+
+    student_deepspeed: bool
+    teacher_deepspeed: bool
+    sequence_parallel_size: int
+    attn_implementation: str | None  # under sequence parallelism; None without it
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """One run as its arguments decide it, checked."""
+
+    teachers: tuple[TeacherSpec, ...]  # several teachers; empty for one (or none)
+    loss: LossSettings  # its `vocab_size` is the models', known once they load
+    alpha: float
+    on_policy: OnPolicyPlan
+    evaluation: EvaluationPlan
+    precision: Precision
+    parallelism: Parallelism
+
+
+def resolve(args) -> RunPlan:
+    """Check how the fields of `args` (a `DistillationConfig`) combine, one `ValueError` naming the fix for the
+    first that cannot work, complete the values that follow from others, and return the run's plan."""
+    _check_schedule(args)
+    if args.auto_find_batch_size and (args.deepspeed or args.teacher_deepspeed):
+        raise ValueError(
+            "auto_find_batch_size is not supported with DeepSpeed here: retrying a smaller batch would rebuild "
+            "the student's engine but not the teacher's. Set per_device_train_batch_size yourself."
+        )
+    check_engine_args(args)
+    check_guard_args(args)
+    check_generation_eval_args(args)
+    check_teachers(args)  # several teachers: their entries, weights and modes
+    check_objective_args(args)  # on the student's samples: a divergence, or the sampled-token objective
+    check_teacher_prompt_args(args)  # a teacher that reads its own prompt
+    refuse_unsupported(args)  # what the run's kind of teacher refuses, where the arguments name both
+    for name in ("model_init_kwargs", "teacher_model_init_kwargs"):
+        refuse_quantization_without_gpu(getattr(args, name), name)
+    check_sequence_parallel_args(args)  # long rows split over ranks: what cannot combine, refused here
+    return _plan(args)
+
+
+def _check_schedule(args) -> None:
+    """The step counts that only fail together with another field: a run that saves every 0 steps, or trains for
+    0 epochs (and would still save over output_dir)."""
+    if str(getattr(args.save_strategy, "value", args.save_strategy)) == "steps" and not args.save_steps > 0:
+        raise ValueError(f"save_steps must be > 0 with save_strategy 'steps', got {args.save_steps} (or pass "
+                         "--save_strategy no).")
+    if args.max_steps < 0 and not args.num_train_epochs > 0:
+        raise ValueError(f"num_train_epochs={args.num_train_epochs} trains nothing (and would still save over "
+                         "output_dir): pass num_train_epochs > 0, or max_steps > 0.")
+
+
+def _plan(args) -> RunPlan:
+    """The run's plan from its checked arguments."""
+    # the eval completions' temperature: the field, else greedy for one generation, generation_temperature for n
+    temperature = args.eval_temperature if args.eval_temperature is not None else \
+        0.0 if args.num_generations_eval == 1 else args.generation_temperature
+    evaluation = EvaluationPlan(
+        tuple(args.eval_reward_funcs or ()), args.num_generations_eval,
+        Sampling(args.eval_max_new_tokens or args.max_new_tokens, temperature, args.generation_top_p,
+                 args.generation_top_k),
+        args.eval_generation_prompts, args.eval_answer_column, args.eval_answer_pattern)
+    size = sequence_parallel_size(args)  # the field, or accelerate's parallelism_config
+    return RunPlan(
+        teachers=tuple(args.teachers or ()),
+        loss=LossSettings.of(args, None),
+        alpha=args.alpha,
+        on_policy=OnPolicyPlan(args.lmbda, args.seq_kd, Sampling.from_args(args), args.on_policy_objective,
+                               args.use_vllm, TaskRewardPlan(tuple(args.task_reward_funcs or ()),
+                                                             args.eval_answer_column, args.eval_answer_pattern)),
+        evaluation=evaluation,
+        precision=Precision(bool(args.bf16), bool(args.fp16)),
+        parallelism=Parallelism(bool(args.deepspeed), bool(args.teacher_deepspeed), size,
+                                attention_implementation(args) if size > 1 else None),
+    )
