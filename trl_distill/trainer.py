@@ -26,14 +26,9 @@ from .model.fused_forward import add_fused_distillation_forward
 from .model.logit_check import LogitPaths
 from .rollout.learning_rate import warn_learning_rate
 from .rollout.objective_checks import refuse_own_text
-from .rollout.on_policy import (
-    DATASET,
-    CompletionSampler,
-    check_sampling_prompts,
-    completion_source,
-    refuse_zero3_student_sampling,
-)
-from .rollout.on_policy import STUDENT as STUDENT_SAMPLES
+from .rollout.on_policy import CompletionSampler, check_sampling_prompts, refuse_zero3_student_sampling
+from .rollout.sampling import DATASET, completion_source
+from .rollout.sampling import STUDENT as STUDENT_SAMPLES
 from .rollout.task_rewards import TaskColumnsCollator, check_task_rewards, reward_columns, row_columns
 from .run_plan import resolve
 from .runtime import sequence_parallel, validation

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.data.batch import extras_of
-from trl_distill.rollout.on_policy import STUDENT
+from trl_distill.rollout.sampling import STUDENT
 from trl_distill.teacher import CrossTokenizerTeacher
 from trl_distill.teacher.cross_tokenizer import TEACHER_IDS, TEACHER_PROMPT
 from trl_distill.testing import synthetic_prompt_completion, tiny_run_settings

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.cross_tokenizer.sampled import align_sampled, sampled_offsets
 from trl_distill.data.batch import extras_of
-from trl_distill.rollout.on_policy import STUDENT
+from trl_distill.rollout.sampling import STUDENT
 from trl_distill.testing import (
     build_sentencepiece_style_tokenizer,
     build_tokenizer,

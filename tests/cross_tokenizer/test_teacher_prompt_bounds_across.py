@@ -9,7 +9,7 @@ from datasets import Dataset
 from test_privileged_across import kd_from_models, make
 
 from trl_distill.data.batch import extras_of
-from trl_distill.rollout.on_policy import STUDENT
+from trl_distill.rollout.sampling import STUDENT
 from trl_distill.teacher.cross_tokenizer import STUDENT_POSITIONS, TEACHER_PROMPT
 from trl_distill.testing import synthetic_prompt_completion
 

@@ -6,7 +6,7 @@ import torch
 
 from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.rollout.engine_client import RolloutServerError, RolloutServerReplyError
-from trl_distill.rollout.on_policy import STUDENT
+from trl_distill.rollout.sampling import STUDENT
 from trl_distill.run_plan import resolve
 from trl_distill.testing import VLLM_VENV, free_port, logged, synthetic_prompt_completion, tiny_run_settings
 
@@ -227,7 +227,8 @@ def test_seq_kd_samples_from_the_served_teachers_own_server(served, tmp_path):
     """seq_kd against a served teacher: its server samples each row (seeded, so asking again gives the same), and
     then scores those rows; nothing syncs (it is not the student)."""
     from trl_distill.rollout.engine_rollouts import row_seed
-    from trl_distill.rollout.on_policy import TEACHER, prompts_of
+    from trl_distill.rollout.on_policy import prompts_of
+    from trl_distill.rollout.sampling import TEACHER
 
     settings = tiny_run_settings(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=2,
                                  save_strategy="no", use_cpu=True, max_new_tokens=8, seq_kd=True, max_length=64,

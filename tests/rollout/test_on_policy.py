@@ -8,7 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
-from trl_distill.rollout.on_policy import DATASET, STUDENT, TEACHER, completion_batch, completion_source, split_prompts
+from trl_distill.rollout.on_policy import completion_batch, split_prompts
+from trl_distill.rollout.sampling import DATASET, STUDENT, TEACHER, completion_source
 from trl_distill.testing import launch, logged, synthetic_prompt_completion, tiny_run_settings
 
 WORKER = Path(__file__).parents[1] / "scripts" / "on_policy_worker.py"

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.data.batch import EXTRAS, add_extras, extras_of, loss_tokens
-from trl_distill.rollout.on_policy import STUDENT
+from trl_distill.rollout.sampling import STUDENT
 from trl_distill.run_plan import resolve
 from trl_distill.testing import logged, synthetic_prompt_completion, tiny_run_settings
 

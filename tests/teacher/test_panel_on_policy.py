@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.data.batch import EXTRAS, extras_of, loss_tokens
-from trl_distill.rollout.on_policy import STUDENT
+from trl_distill.rollout.sampling import STUDENT
 from trl_distill.run_plan import resolve
 from trl_distill.testing import launch, logged, read_rank_records, tiny_run_settings
 

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.data.batch import extras_of, loss_tokens, take_signal
-from trl_distill.rollout.on_policy import STUDENT
+from trl_distill.rollout.sampling import STUDENT
 from trl_distill.run_plan import resolve
 from trl_distill.teacher.privileged import TEACHER_PROMPT
 from trl_distill.testing import logged, synthetic_prompt_completion, tiny_run_settings

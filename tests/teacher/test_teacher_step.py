@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer
-from trl_distill.rollout.on_policy import DATASET, completion_source
+from trl_distill.rollout.sampling import DATASET, completion_source
 from trl_distill.runtime import plan
 from trl_distill.teacher.rows import DenseRows
 from trl_distill.teacher.step_pass import TeacherStepPass, plain_rows, right_padded

@@ -19,7 +19,7 @@ from ..data.batch import add_extras, extras_of, pop_extra
 from ..loss.rollout_correction import RolloutCorrection
 from ..loss.sampled_token import SampledTokenJob, SampledTokenSettings
 from ..teacher.capabilities import SEQ_KD_REFUSAL, Samples, SamplingServer, ScoresSamples, required
-from .sampling import DATASET, STUDENT, Sampling, completion_source, seeded  # (the sources: re-exported)
+from .sampling import DATASET, STUDENT, Sampling, completion_source, seeded
 
 if TYPE_CHECKING:  # annotations: the run's plan, and the rollout server's client (imported by a run that uses one)
     from ..run_plan import OnPolicyPlan
