@@ -169,9 +169,9 @@ def _live_or_cross(teacher_model, args, student, processing_class, init_kwargs=N
     maps tokens to other ids than the student's (or `args.cross_tokenizer` says so)."""
     init_kwargs = args.teacher_model_init_kwargs if init_kwargs is None else init_kwargs
     live = LiveTeacher(teacher_model, init_kwargs)
-    tokenizer = load_teacher_tokenizer(args, live.source)
+    tokenizer = load_teacher_tokenizer(args.teacher_tokenizer_name_or_path, live.source)
     mine = processing_class or tokenizer_of(student) if tokenizer is not None else None
-    if mine is not None and wants_cross_tokenizer(args, mine, tokenizer):
+    if mine is not None and wants_cross_tokenizer(args.cross_tokenizer, mine, tokenizer):
         return CrossTokenizerTeacher(live.source, init_kwargs, mine, tokenizer, args)
     live.tokenizer = tokenizer
     return live
@@ -183,14 +183,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "sentencepiece.bpe.model")
 
 
-def load_teacher_tokenizer(args, source: str | PreTrainedModel):
-    """The teacher's tokenizer: `teacher_tokenizer_name_or_path`, else the one saved with the teacher; None when
-    there is none to load (a model object without a tokenizer path; a teacher directory with no tokenizer file at
-    all, with a warning). A tokenizer file there that cannot be read or parsed is one error naming it: the run
+def load_teacher_tokenizer(path: str | None, source: str | PreTrainedModel):
+    """The teacher's tokenizer: `path` (`teacher_tokenizer_name_or_path`), else the one saved with the teacher; None
+    when there is none to load (a model object without a tokenizer path; a teacher directory with no tokenizer file
+    at all, with a warning). A tokenizer file there that cannot be read or parsed is one error naming it: the run
     must not go on assuming the student's ids for a teacher that has its own."""
     from transformers import AutoTokenizer
 
-    path = args.teacher_tokenizer_name_or_path
     if path is None and not isinstance(source, str | os.PathLike):
         return None
     if path is None:
@@ -244,12 +243,13 @@ def _check_tokenizer_file(path: str, flag: str) -> None:
             raise ValueError(f"{flag}: the tokenizer file {path} cannot be parsed ({detail}). {fix}") from error
 
 
-def wants_cross_tokenizer(args, student_tokenizer, teacher_tokenizer) -> bool:
-    """Whether to distil across tokenizers: as `args.cross_tokenizer` says, else when their vocabularies differ."""
-    if args.cross_tokenizer is not None:
-        if args.cross_tokenizer and teacher_tokenizer is None:
+def wants_cross_tokenizer(cross_tokenizer: bool | None, student_tokenizer, teacher_tokenizer) -> bool:
+    """Whether to distil across tokenizers: as `cross_tokenizer` (the field) says, else when their vocabularies
+    differ."""
+    if cross_tokenizer is not None:
+        if cross_tokenizer and teacher_tokenizer is None:
             raise ValueError("cross_tokenizer=True needs the teacher's tokenizer: set teacher_tokenizer_name_or_path.")
-        return args.cross_tokenizer
+        return cross_tokenizer
     return teacher_tokenizer is not None and student_tokenizer.get_vocab() != teacher_tokenizer.get_vocab()
 
 
