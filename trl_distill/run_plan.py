@@ -43,6 +43,7 @@ class OnPolicyPlan:
     sampling: Sampling
     objective: str  # `constants.OBJECTIVES`
     use_vllm: bool
+    seed: int  # the run's: which steps sample (with `lmbda`, `rollout.sampling.completion_source`)
     task_rewards: TaskRewardPlan = TaskRewardPlan()
 
     @property
@@ -61,6 +62,18 @@ class EvaluationPlan:
     max_prompts: int | None
     answer_column: str | None
     answer_pattern: str | None
+
+
+@dataclass(frozen=True)
+class GuardPlan:
+    """When the run stops by itself (`runtime.guards.Guards`): a loss that is not finite, a collapsing on-policy
+    student; and the margin of the first step's teacher check."""
+
+    stop_on_nonfinite_loss: bool
+    collapse_max_repetition: float
+    collapse_min_entropy: float
+    collapse_patience: int
+    teacher_ce_margin: float
 
 
 @dataclass(frozen=True)
@@ -93,6 +106,7 @@ class RunPlan:
     evaluation: EvaluationPlan
     precision: Precision
     parallelism: Parallelism
+    guards: GuardPlan
 
 
 def resolve(args) -> RunPlan:
@@ -145,10 +159,13 @@ def _plan(args, teachers: tuple[TeacherSpec, ...], weights: tuple[float, ...] | 
         loss=LossSettings.of(args, None),
         alpha=args.alpha,
         on_policy=OnPolicyPlan(args.lmbda, args.seq_kd, Sampling.from_args(args), args.on_policy_objective,
-                               args.use_vllm, TaskRewardPlan(tuple(args.task_reward_funcs or ()),
-                                                             args.eval_answer_column, args.eval_answer_pattern)),
+                               args.use_vllm, args.seed, TaskRewardPlan(tuple(args.task_reward_funcs or ()),
+                                                                        args.eval_answer_column,
+                                                                        args.eval_answer_pattern)),
         evaluation=evaluation,
         precision=Precision(bool(args.bf16), bool(args.fp16)),
         parallelism=Parallelism(bool(args.deepspeed), bool(args.teacher_deepspeed), size,
                                 attention_implementation(args) if size > 1 else None),
+        guards=GuardPlan(args.stop_on_nonfinite_loss, args.collapse_max_repetition, args.collapse_min_entropy,
+                         args.collapse_patience, args.teacher_ce_margin),
     )
