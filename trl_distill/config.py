@@ -388,11 +388,15 @@ class DistillationConfig(SFTConfig):
         super().__post_init__()
 
     def to_dict(self) -> dict:
-        """`TrainingArguments.to_dict`, several teachers as plain dicts: `to_json_string`, which TensorBoard's and
-        W&B's callbacks call as training starts, needs every value JSON-serialisable."""
+        """`TrainingArguments.to_dict`, several teachers as plain dicts with the weights they mix with
+        (`specs.written_teachers`): what `to_json_string`, which TensorBoard's and W&B's callbacks call as training
+        starts, writes, the same before and after `run_plan.resolve`."""
         values = super().to_dict()
         if self.teachers:
-            values["teachers"] = [e.as_dict() if hasattr(e, "as_dict") else e for e in self.teachers]
+            from .teacher.specs import written_teachers
+
+            values["teachers"], values["teacher_weights"] = written_teachers(
+                self.teachers, self.teacher_weights, self.teacher_combine)
         return values
 
     @cached_property

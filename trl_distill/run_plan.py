@@ -3,8 +3,9 @@ anything loads), and the run's plan in typed parts that functions take instead o
 
 The config checks each field alone as it is built; `resolve` checks what needs several (a mode and the teacher that
 refuses it, sampling and the engine, sequence parallelism and what it cannot split) and derives what follows from
-them (several teachers parsed into `TeacherSpec`, accelerate's `ParallelismConfig`). The trainer and the command line
-call it once each; it may run again on a config it resolved (the command line's, handed to the trainer)."""
+them (several teachers parsed into `TeacherSpec` with their weights, accelerate's `ParallelismConfig`), leaving the
+config as written. The trainer and the command line call it once each; it may run again on a config it resolved (the
+command line's, handed to the trainer)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class OnPolicyPlan:
     sampling: Sampling
     objective: str  # `constants.OBJECTIVES`
     use_vllm: bool
+    seed: int  # the run's: which steps sample (with `lmbda`, `rollout.sampling.completion_source`)
     task_rewards: TaskRewardPlan = TaskRewardPlan()
 
     @property
@@ -60,6 +62,18 @@ class EvaluationPlan:
     max_prompts: int | None
     answer_column: str | None
     answer_pattern: str | None
+
+
+@dataclass(frozen=True)
+class GuardPlan:
+    """When the run stops by itself (`runtime.guards.Guards`): a loss that is not finite, a collapsing on-policy
+    student; and the margin of the first step's teacher check."""
+
+    stop_on_nonfinite_loss: bool
+    collapse_max_repetition: float
+    collapse_min_entropy: float
+    collapse_patience: int
+    teacher_ce_margin: float
 
 
 @dataclass(frozen=True)
@@ -85,12 +99,14 @@ class RunPlan:
     """One run as its arguments decide it, checked."""
 
     teachers: tuple[TeacherSpec, ...]  # several teachers; empty for one (or none)
+    teacher_weights: tuple[float, ...] | None  # what several teachers mix with (None: routed, or one teacher)
     loss: LossSettings  # its `vocab_size` is the models', known once they load
     alpha: float
     on_policy: OnPolicyPlan
     evaluation: EvaluationPlan
     precision: Precision
     parallelism: Parallelism
+    guards: GuardPlan
 
 
 def resolve(args) -> RunPlan:
@@ -105,14 +121,14 @@ def resolve(args) -> RunPlan:
     check_engine_args(args)
     check_guard_args(args)
     check_generation_eval_args(args)
-    check_teachers(args)  # several teachers: their entries, weights and modes
+    teachers = check_teachers(args)  # several teachers: their entries, weights and modes
     check_objective_args(args)  # on the student's samples: a divergence, or the sampled-token objective
     check_teacher_prompt_args(args)  # a teacher that reads its own prompt
     refuse_unsupported(args)  # what the run's kind of teacher refuses, where the arguments name both
     for name in ("model_init_kwargs", "teacher_model_init_kwargs"):
         refuse_quantization_without_gpu(getattr(args, name), name)
     check_sequence_parallel_args(args)  # long rows split over ranks: what cannot combine, refused here
-    return _plan(args)
+    return _plan(args, *teachers)
 
 
 def _check_schedule(args) -> None:
@@ -126,8 +142,8 @@ def _check_schedule(args) -> None:
                          "output_dir): pass num_train_epochs > 0, or max_steps > 0.")
 
 
-def _plan(args) -> RunPlan:
-    """The run's plan from its checked arguments."""
+def _plan(args, teachers: tuple[TeacherSpec, ...], weights: tuple[float, ...] | None) -> RunPlan:
+    """The run's plan from its checked arguments (and several teachers' specs and weights, parsed from them)."""
     # the eval completions' temperature: the field, else greedy for one generation, generation_temperature for n
     temperature = args.eval_temperature if args.eval_temperature is not None else \
         0.0 if args.num_generations_eval == 1 else args.generation_temperature
@@ -138,14 +154,18 @@ def _plan(args) -> RunPlan:
         args.eval_generation_prompts, args.eval_answer_column, args.eval_answer_pattern)
     size = sequence_parallel_size(args)  # the field, or accelerate's parallelism_config
     return RunPlan(
-        teachers=tuple(args.teachers or ()),
+        teachers=teachers,
+        teacher_weights=weights,
         loss=LossSettings.of(args, None),
         alpha=args.alpha,
         on_policy=OnPolicyPlan(args.lmbda, args.seq_kd, Sampling.from_args(args), args.on_policy_objective,
-                               args.use_vllm, TaskRewardPlan(tuple(args.task_reward_funcs or ()),
-                                                             args.eval_answer_column, args.eval_answer_pattern)),
+                               args.use_vllm, args.seed, TaskRewardPlan(tuple(args.task_reward_funcs or ()),
+                                                                        args.eval_answer_column,
+                                                                        args.eval_answer_pattern)),
         evaluation=evaluation,
         precision=Precision(bool(args.bf16), bool(args.fp16)),
         parallelism=Parallelism(bool(args.deepspeed), bool(args.teacher_deepspeed), size,
                                 attention_implementation(args) if size > 1 else None),
+        guards=GuardPlan(args.stop_on_nonfinite_loss, args.collapse_max_repetition, args.collapse_min_entropy,
+                         args.collapse_patience, args.teacher_ce_margin),
     )

@@ -93,11 +93,13 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         args = DistillationConfig(output_dir="distilled-model") if args is None else as_distillation_config(args)
         plan = self.run_plan = resolve(args)  # how the fields combine, checked once before anything loads
         setup_logging(args)  # rank 0 says what it does (log_level), the others stay quiet (log_level_replica)
-        check_output_dir(args.output_dir, run_inputs(args, model, teacher_model, (train_dataset, eval_dataset)))
+        check_output_dir(args.output_dir, run_inputs(args, model, teacher_model, (train_dataset, eval_dataset),
+                                                     plan.teachers))
         refuse_if_locked(args)  # another live run holds output_dir: one line on every rank before anything loads
         check_dataset_not_empty(train_dataset, "train", "given")
         refuse_own_text(args, teacher_model is not None)  # (a teacher the arguments name: as the config is built)
-        self.teacher = resolve_teacher(teacher_model, args, student=model, processing_class=processing_class,
+        self.teacher = resolve_teacher(teacher_model, args, teachers=plan.teachers, weights=plan.teacher_weights,
+                                       student=model, processing_class=processing_class,
                                        eval_dataset=eval_dataset, peft_config=peft_config)  # the one teacher source
         train_dataset = can.routed_rows(self.teacher, train_dataset, eval_dataset)  # several teachers: each row's
         processing_class = processing_class or can.student_tokenizer_of(self.teacher)
@@ -114,7 +116,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
             formatting_func=formatting_func,
         )
         if self.accelerator.is_main_process:
-            prepare.log_skipped_rows(train_dataset, self.train_dataset, args)
+            prepare.log_skipped_rows(train_dataset, self.train_dataset, args.packing, args.max_length)
         self.run_lock = take_run_lock(args)  # one run per output_dir (released at train end or exit)
         self.student_identity = student_identity(self.model)  # what a checkpoint records of the student
         add_fused_distillation_forward(self.student)
@@ -130,10 +132,10 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
             self.context = RunContext(
                 args, self.accelerator, lambda: self.state, lambda: self.model, lambda: self.model_wrapped,
                 lambda examples: self.data_collator(examples), self.prepared_inputs, lambda: self.processing_class,
-                self.vocab_size, self.logit_paths, layouts=self.layouts, deferred=StepFlags())
+                self.vocab_size, self.logit_paths, layouts=self.layouts, deferred=StepFlags(), plan=plan)
             self.teacher.attach(self.context)  # its fit checks
             self.train_dataset = can.train_rows_of(self.teacher, self.train_dataset)  # e.g. a cache's row numbers
-            sequence_parallel.check_sharded_attention(self.student, args, "student")  # long rows split over ranks
+            sequence_parallel.check_sharded_attention(self.student, plan.parallelism, "student")  # rows split on ranks
             # the collators, composed once: SFT's (or the caller's) innermost, then the teacher kind's, then
             # sequence parallelism's position ids outermost
             self.data_collator = sequence_parallel.collator(can.collator_of(self.teacher, self.data_collator),
@@ -330,7 +332,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
-        if sequence_parallel.sequence_parallel_size(self.args) > 1:
+        if self.run_plan.parallelism.sequence_parallel_size > 1:
             self.model.train()  # the teacher pass runs before `training_step` sets it (the exchange is on in training)
             self.sequence_parallel_scope.start(self.context, batch_samples)  # both models' attention exchanged
             num_items_in_batch = sequence_parallel.sharded_token_count(self.context, batch_samples, device,
@@ -347,7 +349,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         self.layouts.clear()
         hosts = [pop_extra(b, "loss_layout") if isinstance(b, dict) else None for b in batch_samples]  # no model sees
         on_policy = self.run_plan.on_policy
-        if completion_source(on_policy.lmbda, on_policy.seq_kd, self.args.seed, self.state.global_step) != DATASET:
+        if completion_source(on_policy.lmbda, on_policy.seq_kd, on_policy.seed, self.state.global_step) != DATASET:
             return
         batches = [self.prepared_inputs(b) for b in batch_samples]
         if batches and all(isinstance(b, dict) and {"labels", "shift_labels"} & set(b) for b in batches):
@@ -398,7 +400,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
             # `num_items_in_batch` counts every rank's tokens and DeepSpeed/DDP average gradients across ranks
             scale = self.accelerator.num_processes // self.get_tp_size()
             loss, kd, ce = loss * scale, kd * scale, ce * scale
-            loss = sequence_parallel.gradient_scaled(loss, args)  # DeepSpeed sums a sequence group's gradients
+            # DeepSpeed sums a sequence group's gradients
+            loss = sequence_parallel.gradient_scaled(loss, self.run_plan.parallelism)
         if aux is not None:  # a per-micro-batch mean, weighted as SFTTrainer weights it (the Trainer averages
             # the micro-batches' loss over accumulation when it does not count the tokens itself)
             steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1

@@ -16,7 +16,7 @@ DOC = (Path(__file__).parents[2] / "docs" / "on_policy.md").read_text()
 
 def args(lmbda=1.0, learning_rate=2e-5, objective="divergence", seq_kd=False):
     """The run's on-policy plan and its learning rate."""
-    return OnPolicyPlan(lmbda, seq_kd, Sampling(128, 1.0), objective, use_vllm=False), learning_rate
+    return OnPolicyPlan(lmbda, seq_kd, Sampling(128, 1.0), objective, use_vllm=False, seed=42), learning_rate
 
 
 @pytest.mark.parametrize("settings, lora, bound", [

@@ -107,13 +107,15 @@ def test_several_teachers_config_is_json_as_logging_callbacks_write_it(tiny_pair
     args = DistillationConfig(output_dir=str(tmp_path / "cfg"), teachers=[
         f"a={tiny_pair['teacher']}", {"name": "b", "model": tiny_pair["teacher"], "deepspeed": {"train_batch_size": 8}},
         "c=cache:./cache"], teacher_combine="sum")
-    resolve(args)  # as the trainer does before any callback writes it: the entries parsed into `TeacherSpec`s
+    unresolved = args.to_json_string()
+    resolve(args)  # as the trainer does before any callback writes it: the config left as written
+    assert args.to_json_string() == unresolved
     written = json.loads(args.to_json_string())
     assert written["teachers"] == [{"name": "a", "model": tiny_pair["teacher"]},
                                    {"name": "b", "model": tiny_pair["teacher"], "deepspeed": {"train_batch_size": 8}},
                                    {"name": "c", "cache": "./cache"}]
     again = DistillationConfig(output_dir=str(tmp_path / "cfg"), teachers=written["teachers"], teacher_combine="sum")
-    assert resolve(again).teachers == tuple(args.teachers)
+    assert resolve(again).teachers == resolve(args).teachers
     out = tmp_path / "out"
     argv = ["--model_name_or_path", tiny_pair["student"], *teachers(tiny_pair), "--teacher_combine", "sum",
             "--dataset_name", str(files["three"]), "--output_dir", str(out), "--max_steps", "1", *FAST,

@@ -396,5 +396,5 @@ def test_a_teacher_without_tokenizer_files_falls_back_with_a_warning(owned, capl
         (owned["teacher"] / name).unlink(missing_ok=True)
     args = DistillationConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none")
     with caplog.at_level("WARNING", logger="trl_distill.teacher.resolve"):
-        assert load_teacher_tokenizer(args, str(owned["teacher"])) is None
+        assert load_teacher_tokenizer(args.teacher_tokenizer_name_or_path, str(owned["teacher"])) is None
     assert f"The teacher directory {owned['teacher']} has no tokenizer files" in caplog.text

@@ -15,7 +15,11 @@ from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.data.batch import SignalHolder, shard_signal
 from trl_distill.loss.sparse import SparseTeacherSignal
 from trl_distill.run_plan import resolve
-from trl_distill.runtime.sequence_parallel import check_sequence_parallel_args, check_sequence_parallel_models
+from trl_distill.runtime.sequence_parallel import (
+    check_sequence_parallel_args,
+    check_sequence_parallel_models,
+    sequence_parallel_size,
+)
 from trl_distill.teacher.step_pass import plain_rows
 from trl_distill.testing import (
     build_tiny_model,
@@ -210,15 +214,15 @@ def test_accelerates_own_parallelism_config_gets_the_attention(monkeypatch):
 
 
 def test_models_that_cannot_be_split_are_refused_before_loading():
-    args = sp_args(4)
+    size = sequence_parallel_size(sp_args(4))
     tokenizer = build_tokenizer()
     with pytest.raises(ValueError, match=r"The teacher's 2 attention heads are not divisible by "
                                          r"sequence_parallel_size=4"):
-        check_sequence_parallel_models(args, {"teacher": tiny_llama_config(tokenizer, num_attention_heads=2)})
+        check_sequence_parallel_models(size, {"teacher": tiny_llama_config(tokenizer, num_attention_heads=2)})
     with pytest.raises(ValueError, match=r"The student's 4 key/value heads and sequence_parallel_size=4|"
                                          r"BloomForCausalLM\) does not route its attention"):
-        check_sequence_parallel_models(args, {"student": BloomConfig(n_head=4, hidden_size=32)})
-    check_sequence_parallel_models(args, {"student": tiny_llama_config(tokenizer, num_attention_heads=4)})
+        check_sequence_parallel_models(size, {"student": BloomConfig(n_head=4, hidden_size=32)})
+    check_sequence_parallel_models(size, {"student": tiny_llama_config(tokenizer, num_attention_heads=4)})
 
 
 def test_the_position_ids_collator_adds_positions_and_pickles():

@@ -59,7 +59,7 @@ def formula(trainer, batch, teachers, divergence="forward_kl"):
         parts = [per_token[i][per_row == i].sum() / mask.sum() for i in range(len(teachers))]
         return sum(parts), parts
     if args.teacher_combine == "mixture":
-        mixed = torch.log(sum(w * t.exp() for w, t in zip(args.teacher_weights, t_logps)))
+        mixed = torch.log(sum(w * t.exp() for w, t in zip(trainer.run_plan.teacher_weights, t_logps)))
         return fn(s_logp, mixed).sum() / mask.sum(), None
-    parts = [w * fn(s_logp, t).sum() / mask.sum() for w, t in zip(args.teacher_weights, t_logps)]
+    parts = [w * fn(s_logp, t).sum() / mask.sum() for w, t in zip(trainer.run_plan.teacher_weights, t_logps)]
     return sum(parts), parts

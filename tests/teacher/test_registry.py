@@ -29,20 +29,46 @@ def test_each_kind_is_registered_once_by_name_with_the_class_whose_refusals_it_c
         teacher_kind("ghost")
 
 
+def described(args) -> list[TeacherSpec]:
+    """The run's teachers as the trainer describes them: the plan's several (parsed by `resolve`), else the one of
+    the single-teacher flags."""
+    return describe(resolve(args).teachers, args)
+
+
 def test_the_single_teacher_flags_and_the_teacher_list_describe_the_run_as_specs(tmp_path):
-    assert describe(config(tmp_path, teacher_model_name_or_path="/m")) == [TeacherSpec("teacher", model="/m")]
-    assert describe(config(tmp_path, teacher_model_name_or_path="self"))[0].kind == "self"
-    assert describe(config(tmp_path, teacher_cache="/c")) == [TeacherSpec("teacher", cache="/c")]
-    served = describe(config(tmp_path, teacher_server="http://h:8000", teacher_model_name_or_path="big"))
+    assert describe((), config(tmp_path, teacher_model_name_or_path="/m")) == [TeacherSpec("teacher", model="/m")]
+    assert describe((), config(tmp_path, teacher_model_name_or_path="self"))[0].kind == "self"
+    assert describe((), config(tmp_path, teacher_cache="/c")) == [TeacherSpec("teacher", cache="/c")]
+    served = describe((), config(tmp_path, teacher_server="http://h:8000", teacher_model_name_or_path="big"))
     assert served == [TeacherSpec("teacher", server="http://h:8000", served_model="big")]
-    assert describe(config(tmp_path, alpha=0.0)) == []
+    assert describe((), config(tmp_path, alpha=0.0)) == []
     several = config(tmp_path, teachers=["a=/m", "b=cache:/c", "c=http://h:8000"], teacher_combine="sum")
-    resolve(several)  # the list parsed into specs, as the trainer and the command line resolve it
-    assert [(s.name, s.kind) for s in describe(several)] == [("a", "model"), ("b", "cache"), ("c", "server")]
+    # the list parsed into specs, as the trainer and the command line resolve it
+    assert [(s.name, s.kind) for s in described(several)] == [("a", "model"), ("b", "cache"), ("c", "server")]
     # what the config holds serialises and builds the same teachers again, through JSON and through pickle
     again = config(tmp_path, teachers=json.loads(several.to_json_string())["teachers"], teacher_combine="sum")
-    resolve(again)
-    assert describe(again) == describe(several) == describe(pickle.loads(pickle.dumps(several)))
+    assert described(again) == described(several) == described(pickle.loads(pickle.dumps(several)))
+
+
+def test_resolve_leaves_the_teachers_as_written_and_their_json_as_logged(tmp_path):
+    """The config stays plain data: `resolve` parses the teachers into the plan, and `to_json_string()` (what the
+    logging callbacks write) is the same before and after it, each entry as a dict with the weights of the sum."""
+    written = ["a=/m", {"name": "b", "cache": "/c", "served_model": None}, "c=http://h:8000"]
+    args = config(tmp_path, teachers=list(written), teacher_combine="sum")
+    before = args.to_json_string()
+    plan = resolve(args)
+    assert args.teachers == written and args.teacher_weights is None
+    assert plan.teachers == (TeacherSpec("a", model="/m"), TeacherSpec("b", cache="/c"),
+                             TeacherSpec("c", server="http://h:8000"))
+    assert plan.teacher_weights == (1 / 3, 1 / 3, 1 / 3)
+    assert args.to_json_string() == before
+    assert json.loads(before)["teachers"] == [{"name": "a", "model": "/m"}, {"name": "b", "cache": "/c"},
+                                              {"name": "c", "server": "http://h:8000"}]
+    assert json.loads(before)["teacher_weights"] == [1 / 3, 1 / 3, 1 / 3]
+    routed = config(tmp_path, teachers="a=/m")  # one entry, routed: a list of one, no weights
+    assert json.loads(routed.to_json_string())["teachers"] == [{"name": "a", "model": "/m"}]
+    assert resolve(routed).teachers == (TeacherSpec("a", model="/m"),) and routed.teachers == "a=/m"
+    assert resolve(routed).teacher_weights is None and json.loads(routed.to_json_string())["teacher_weights"] is None
 
 
 @pytest.mark.parametrize("flags", [
@@ -60,7 +86,7 @@ def test_every_kind_of_teacher_config_is_json_that_builds_the_same_teachers(tmp_
     args = config(tmp_path, **flags)
     written = json.loads(args.to_json_string())
     again = config(tmp_path, **{key: written[key] for key in flags})
-    assert describe(again) == describe(args) and describe(args)
+    assert described(again) == described(args) and described(args)
     assert {key: getattr(again, key) for key in flags if key != "teachers"} == \
         {key: getattr(args, key) for key in flags if key != "teachers"}
 

@@ -31,10 +31,11 @@ def validate(script_args, training_args, model_args) -> None:
         refuse_quantization_without_gpu,
     )
     from ..teacher.resolve import check_teacher_flags
+    from ..teacher.specs import parse_teachers
 
     if not model_args.model_name_or_path:
         raise ValueError("Pass the student with --model_name_or_path.")
-    check_teacher_flags(training_args, model_args.use_peft)
+    check_teacher_flags(parse_teachers(training_args.teachers), training_args, model_args.use_peft)
     if model_args.load_in_4bit or model_args.load_in_8bit:
         refuse_quantization_without_gpu({"load_in_4bit": True}, "--load_in_4bit/--load_in_8bit")
     check_model_path(model_args.model_name_or_path, "--model_name_or_path")

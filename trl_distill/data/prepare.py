@@ -302,16 +302,16 @@ def check_eos_before_loading(model: str | None, dataset_name: str | None, datase
     check_eos_token(tokenizer, load_dataset_any(dataset_name, dataset_config).get(split), source=model)
 
 
-def log_skipped_rows(given, prepared, args) -> None:
+def log_skipped_rows(given, prepared, packing: bool, max_length: int | None) -> None:
     """Say how many training rows SFT's preparation dropped because they carry no loss token (a conversation with
     no assistant turn, a completion truncated away): a counted, logged skip rather than a silent one."""
     log_repeated_prompt_warning()
-    if args.packing or not hasattr(given, "__len__") or isinstance(given, dict) or not hasattr(prepared, "__len__"):
+    if packing or not hasattr(given, "__len__") or isinstance(given, dict) or not hasattr(prepared, "__len__"):
         return
     skipped = len(given) - len(prepared)
     if skipped > 0:
         logger.warning(f"{skipped} of {len(given)} training rows carry no loss token (no completion or assistant "
-                       f"turn left within max_length={args.max_length}) and are skipped.")
+                       f"turn left within max_length={max_length}) and are skipped.")
 
 
 def log_repeated_prompt_warning() -> None:

@@ -185,7 +185,7 @@ class CompletionSampler:
     def maybe_resample(self, inputs: dict) -> tuple[dict, bool]:
         """The micro-batch to train on, and whether its completions were sampled (not the dataset's)."""
         run = self.context
-        source = completion_source(self.plan.lmbda, self.plan.seq_kd, run.args.seed, run.step)
+        source = completion_source(self.plan.lmbda, self.plan.seq_kd, self.plan.seed, run.step)
         self.stats["micro_steps"] += 1
         self.on_policy = source == STUDENT
         if source == DATASET:

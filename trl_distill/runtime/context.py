@@ -1,7 +1,7 @@
-"""What a collaborator of the trainer receives instead of the trainer: the run's arguments, its accelerator and
-device, the student (as trained, and as its engine), the collator and the input preparation, the tokenizer and the
-shared vocabulary, the logit paths, the optimizer step, whether the student trains, and a logger. Calls go down: a
-collaborator reads the run through this and never calls back into the trainer, nor changes it."""
+"""What a collaborator of the trainer receives instead of the trainer: the run's arguments and their plan, its
+accelerator and device, the student (as trained, and as its engine), the collator and the input preparation, the
+tokenizer and the shared vocabulary, the logit paths, the optimizer step, whether the student trains, and a logger.
+Calls go down: a collaborator reads the run through this and never calls back into the trainer, nor changes it."""
 
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ class RunContext:
     """The step's loss-token layouts, measured as its batches are fetched (`data.loss_layout.LayoutMemo`)."""
     deferred: Any = None
     """What the step found not finite, read once before its last backward (`runtime.validation.StepFlags`)."""
+    plan: Any = None
+    """The run's `run_plan.RunPlan`: its arguments' typed parts, as resolved once."""
 
     @property
     def state(self):

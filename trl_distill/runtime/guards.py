@@ -77,7 +77,7 @@ class Guards:
         loss were not finite in this step: one all-reduce and one read of the device (collective). `totals` (a
         logged step's metrics) are summed over ranks in the same all-reduce and returned, read."""
         run, flags = self.context, self.context.deferred
-        losses = torch.cat(flags.losses) if flags.losses and run.args.stop_on_nonfinite_loss else None
+        losses = torch.cat(flags.losses) if flags.losses and run.plan.guards.stop_on_nonfinite_loss else None
         teacher_bad, where, layout_bad = flags.teacher_bad, flags.where, flags.layout_bad
         flags.clear()
         if losses is None and teacher_bad is None and totals is None and layout_bad is None:
@@ -111,22 +111,22 @@ class Guards:
 
     def check_collapse(self, logs: dict[str, float]) -> None:
         """After a training log (the same numbers on every rank): stop after `collapse_patience` collapsed logs."""
-        args = self.context.args
+        bounds = self.context.plan.guards
         repetition = logs.get("generated_repetition_rate")
         entropy = logs.get("on_policy_student_entropy")
         if repetition is None and entropy is None:
             return
-        repeats = repetition is not None and args.collapse_max_repetition < 1 and \
-            repetition > args.collapse_max_repetition
-        flat = entropy is not None and entropy < args.collapse_min_entropy
+        repeats = repetition is not None and bounds.collapse_max_repetition < 1 and \
+            repetition > bounds.collapse_max_repetition
+        flat = entropy is not None and entropy < bounds.collapse_min_entropy
         self.collapsed_logs = self.collapsed_logs + 1 if repeats or flat else 0
-        if self.collapsed_logs >= args.collapse_patience:
+        if self.collapsed_logs >= bounds.collapse_patience:
             raise TrainingStopped(
                 f"On-policy collapse: for {self.collapsed_logs} logging steps in a row up to step "
                 f"{self.context.step} the student's samples "
                 + (f"repeat themselves (generated_repetition_rate {repetition:.3f} > collapse_max_repetition "
-                   f"{args.collapse_max_repetition})" if repeats else
-                   f"have entropy {entropy:.4f} < collapse_min_entropy {args.collapse_min_entropy}")
+                   f"{bounds.collapse_max_repetition})" if repeats else
+                   f"have entropy {entropy:.4f} < collapse_min_entropy {bounds.collapse_min_entropy}")
                 + ". Lower the learning rate or lmbda, raise generation_temperature, or start from an SFT-trained "
                 "student; the last complete checkpoint is kept.")
 
@@ -134,12 +134,12 @@ class Guards:
         """At the first step of a fresh run (rank 0): warn when the teacher's CE on that step's dataset rows (not the
         student's own samples, which it rates highly) is worse than the student's, before it trained."""
         teacher, student = means.get("teacher_ce"), means.get("student_ce")
-        args = self.context.args
-        if teacher is None or student is None or not math.isfinite(teacher) or args.alpha == 0:
+        margin = self.context.plan.guards.teacher_ce_margin
+        if teacher is None or student is None or not math.isfinite(teacher) or self.context.args.alpha == 0:
             return  # (alpha 0: the teacher is only logged, e.g. an SFT-only run that names the student itself)
-        if teacher > student + args.teacher_ce_margin:
+        if teacher > student + margin:
             logger.warning(
                 "trl_distill: at the first step the teacher's cross-entropy on the training data is %.4f, the "
                 "student's before training %.4f: the teacher predicts this data worse than the student it teaches. A "
                 "wrong teacher, or data it was not trained for? (teacher_ce_margin=%g)", teacher, student,
-                args.teacher_ce_margin)
+                margin)

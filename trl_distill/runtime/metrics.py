@@ -33,7 +33,7 @@ class DistillMetrics:
         self.context, self.guards, self.eval_values = context, guards, eval_values
         # the KD term's name in training logs: a divergence is `kd_loss`; the sampled-token objective's policy-gradient
         # surrogate is no divergence, and logs under TRL GRPO's name for it
-        self.kd_name = "policy_loss" if context.args.on_policy_objective == "sampled_token" else "kd_loss"
+        self.kd_name = "policy_loss" if context.plan.on_policy.objective == "sampled_token" else "kd_loss"
         self.sums = {self.kd_name: 0.0, "ce_loss": 0.0}  # (several teachers: and each one's part, kd_loss/NAME)
         self.teacher_tokens: dict[str, int] = {}  # routed teachers: each one's loss tokens since the last log
         self.teacher_windows: dict[str, LossDiagnostics] = {}  # several teachers: each one's diagnostics

@@ -106,10 +106,10 @@ def _refusals(args, implementation: str):
     ]
 
 
-def check_sequence_parallel_models(args, named_configs: dict) -> None:
-    """Before loading: each model (`named_configs`: name -> its config) has attention heads that the size divides
-    and an attention transformers can swap (the attention interface). One line naming the fix."""
-    size = sequence_parallel_size(args)
+def check_sequence_parallel_models(size: int, named_configs: dict) -> None:
+    """Before loading: each model (`named_configs`: name -> its config) has attention heads that `size` (the
+    sequence-parallel size) divides and an attention transformers can swap (the attention interface). One line
+    naming the fix."""
     if size == 1:
         return
     for name, config in named_configs.items():
@@ -150,7 +150,8 @@ def check_models_before_loading(args, student, teacher) -> None:
             return None  # "self", or a model the loader names as missing or broken itself
 
     teacher = teacher if teacher is not None else args.teacher_model_name_or_path
-    check_sequence_parallel_models(args, {"student": config_of(student), "teacher": config_of(teacher)})
+    check_sequence_parallel_models(sequence_parallel_size(args), {"student": config_of(student),
+                                                                  "teacher": config_of(teacher)})
 
 
 def collator(base, parallelism: Parallelism):
@@ -220,23 +221,23 @@ def sharded_token_count(context, batch_samples: list[dict], device, counted):
     return context.accelerator.gather(torch.tensor(mine, device=device)).sum()
 
 
-def gradient_scaled(loss, args):
+def gradient_scaled(loss, parallelism: Parallelism):
     """`loss` with its gradient divided by the sequence-parallel size, its value unchanged. Each rank's loss is its
     positions' share of the all-rank mean (times the process count, as without sequence parallelism), and DeepSpeed
     sums the gradients of a sequence group's ranks before averaging over the data-parallel ones
     (`DeepSpeedZeroOptimizer.average_tensor`: divides by ``world / sp``, deepspeed 0.19.8)."""
-    size = sequence_parallel_size(args)
+    size = parallelism.sequence_parallel_size
     if size == 1:
         return loss
     return loss / size + (loss - loss / size).detach()
 
 
-def check_sharded_attention(model, args, name: str) -> None:
+def check_sharded_attention(model, parallelism: Parallelism, name: str) -> None:
     """Under sequence parallelism, `model` must run the attention that is exchanged across ranks; a model that runs
     another one (a teacher passed loaded, with eager attention) would attend over its shard alone: refused."""
-    if sequence_parallel_size(args) == 1:
+    if parallelism.sequence_parallel_size == 1:
         return
-    wanted, runs = attention_implementation(args), getattr(model.config, "_attn_implementation", None)
+    wanted, runs = parallelism.attn_implementation, getattr(model.config, "_attn_implementation", None)
     if runs != wanted:
         raise ValueError(f"Under sequence parallelism the {name} must run attn_implementation={wanted!r} (the one "
                          f"split across ranks), but it runs {runs!r}: load it with attn_implementation={wanted!r} "

@@ -12,6 +12,7 @@ normalised like the CE (by the completion-token count).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +84,8 @@ class CrossTokenizerTeacher(LiveTeacher, RoutesRows, PreparesDataset, OwnBatch, 
         tokenizers differ by design: no id-by-id match is asked (`self.tokenizer` stays None)."""
         super().attach(context)
         self.build_loss(context.vocab_size, self.config.get_text_config().vocab_size,
-                        LossSettings.of(context.args, context.vocab_size), announce=context.accelerator.is_main_process)
+                        replace(context.plan.loss, vocab_size=context.vocab_size),
+                        announce=context.accelerator.is_main_process)
 
     def collator(self, base) -> CrossTokenizerCollator:
         return CrossTokenizerCollator(base, self.teacher_tokenizer.pad_token_id or 0)

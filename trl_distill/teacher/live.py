@@ -202,7 +202,7 @@ class LiveTeacher(TeacherSource, OwnEngine, OwnVocabulary, StepHooks, LogitCheck
                 freeze(model)
                 add_fused_distillation_forward(model)
                 if self.context is not None:  # (a teacher prepared on its own has no run settings to check)
-                    check_sharded_attention(model, self.context.args, "teacher")
+                    check_sharded_attention(model, self.context.plan.parallelism, "teacher")
                 with accelerator_state_kept(accelerator), sequence_parallelism_hidden(accelerator):
                     engine = accelerator.prepare(model)  # its own engine: the student's alone sets up Ulysses
             engine.eval()

@@ -1,13 +1,14 @@
 """The one place a run's teachers are described and built, through the registry of kinds (`kinds`).
 
-A run's teachers are `TeacherSpec` entries (`specs.py`), plain data that serialise: the config's `teachers`, or the
-one that its single-teacher flags describe (`describe`). Each spec's `kind` names an entry of `TEACHER_KINDS`, which
-builds its `TeacherSource`; `resolve.resolve_teacher` makes several of them one panel. A kind registers with
-`register_kind` (as vLLM's weight-transfer factory registers its engines by name).
+A run's teachers are `TeacherSpec` entries (`specs.py`), plain data that serialise: the config's `teachers` (as
+`run_plan.resolve` parses them), or the one that its single-teacher flags describe (`describe`). Each spec's `kind`
+names an entry of `TEACHER_KINDS`, which builds its `TeacherSource`; `resolve.resolve_teacher` makes several of them
+one panel. A kind registers with `register_kind` (as vLLM's weight-transfer factory registers its engines by name).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,12 +29,12 @@ class BuildContext:
     processing_class: Any
 
 
-def describe(args, teacher_model=None) -> list[TeacherSpec]:
-    """The run's teachers as specs: `args.teachers` (parsed as the config was built), else one spec named
-    ``"teacher"`` from the single-teacher flags (a `teacher_model` object or name passed to the trainer first), else
-    none (alpha 0 without a teacher). With a server, the model flag names the served model."""
-    if args.teachers is not None:
-        return list(args.teachers)
+def describe(teachers: Sequence[TeacherSpec], args, teacher_model=None) -> list[TeacherSpec]:
+    """The run's teachers as specs: several `teachers` (the run plan's, parsed from the config), else one spec named
+    ``"teacher"`` from the single-teacher flags of `args` (a `teacher_model` object or name passed to the trainer
+    first), else none (alpha 0 without a teacher). With a server, the model flag names the served model."""
+    if teachers:
+        return list(teachers)
     model = teacher_model if teacher_model is not None else args.teacher_model_name_or_path
     if args.teacher_server is not None:
         return [TeacherSpec(SINGLE, server=args.teacher_server, served_model=model)]

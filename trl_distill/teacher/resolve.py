@@ -76,7 +76,7 @@ def refuse_unsupported(args) -> None:
     name its kind (a cache, a server; a model's kind waits for its tokenizer) and the mode."""
     if args.teachers is not None:
         return  # several: `specs.check_teachers` has checked what the arguments decide
-    for spec in describe(args):
+    for spec in describe((), args):
         if teacher_kind(spec.kind).checked_early:
             kind = teacher_kind(spec.kind).source_class
             if declares(kind, ChecksArgs):
@@ -86,20 +86,22 @@ def refuse_unsupported(args) -> None:
                     raise ValueError(kind.refused[mode])
 
 
-def resolve_teacher(teacher_model, args, *, student, processing_class, eval_dataset, peft_config) -> TeacherSource:
+def resolve_teacher(teacher_model, args, *, teachers: tuple[TeacherSpec, ...], weights: tuple[float, ...] | None,
+                    student, processing_class, eval_dataset, peft_config) -> TeacherSource:
     """The teacher this run distils from, its refusals checked: each spec `registry.describe` gives built by its
-    kind (`TEACHER_KINDS`), several as one `panel.TeacherPanel`, none (alpha 0) as `NoTeacher`."""
+    kind (`TEACHER_KINDS`), several (`teachers`, mixed with `weights`: the run plan's) as one `panel.TeacherPanel`,
+    none (alpha 0) as `NoTeacher`."""
     if isinstance(teacher_model, TrainingArguments):
         raise TypeError("DistillationTrainer(model, teacher_model, args, ...): "
                         "the second positional argument is the teacher. Pass the training arguments by keyword, "
                         "`args=...`.")
     check_models_before_loading(args, student, teacher_model)  # sequence parallelism: the models' heads, attention
     peft = peft_config is not None or hasattr(student, "disable_adapter")
-    _check_single_teacher_flags(teacher_model, args)
+    _check_single_teacher_flags(teacher_model, args, teachers)
     context = BuildContext(args, student, processing_class)
-    specs = describe(args, teacher_model)
-    if args.teachers is not None:
-        return resolve_panel(args, specs, context, eval_dataset, peft)
+    specs = describe(teachers, args, teacher_model)
+    if teachers:
+        return resolve_panel(specs, weights, context, eval_dataset, peft)
     if not specs and args.alpha == 0:  # the SFT baseline: CE only, nothing to distil from
         NoTeacher.refuse(args, eval_dataset=eval_dataset, peft=peft)
         logger.info(SFT_ONLY)
@@ -125,9 +127,9 @@ def privileged(teacher: TeacherSource, args, context: BuildContext) -> TeacherSo
     return PrivilegedTeacher(teacher, args.teacher_prompt, getattr(tokenizer, "tokenizer", tokenizer))
 
 
-def _check_single_teacher_flags(teacher_model, args) -> None:
+def _check_single_teacher_flags(teacher_model, args, teachers: tuple[TeacherSpec, ...]) -> None:
     """What the trainer's `teacher_model` and the single-teacher flags cannot say together."""
-    if args.teachers is not None and teacher_model is not None:
+    if teachers and teacher_model is not None:
         raise ValueError("Pass the teachers either as `teacher_model=` or as `args.teachers`, not both.")
     model = teacher_model if teacher_model is not None else args.teacher_model_name_or_path
     if args.teacher_server is not None:
@@ -143,12 +145,14 @@ def _check_single_teacher_flags(teacher_model, args) -> None:
                        model if isinstance(model, str) else "model")
 
 
-def resolve_panel(args, specs: list[TeacherSpec], context: BuildContext, eval_dataset, peft: bool) -> TeacherSource:
-    """Several teachers (`specs.TeacherSpec` entries, checked as the config was built) as one `panel.TeacherPanel`,
-    each built by its kind with its refusals checked; one may have another tokenizer than the student's (routed or
-    summed)."""
+def resolve_panel(specs: list[TeacherSpec], weights: tuple[float, ...] | None, context: BuildContext, eval_dataset,
+                  peft: bool) -> TeacherSource:
+    """Several teachers (`specs.TeacherSpec` entries, checked as the config was built) mixed with `weights` as one
+    `panel.TeacherPanel`, each built by its kind with its refusals checked; one may have another tokenizer than the
+    student's (routed or summed)."""
     from .panel import TeacherPanel
 
+    args = context.args
     members = {spec.name: build_teacher(spec, context, eval_dataset=eval_dataset, peft=peft) for spec in specs}
     foreign = [name for name, member in members.items() if isinstance(member, CrossTokenizerTeacher)]
     if len(foreign) > 1 or foreign and args.teacher_combine == "mixture":
@@ -157,7 +161,7 @@ def resolve_panel(args, specs: list[TeacherSpec], context: BuildContext, eval_da
                             "tokenizer (or use --teacher_combine route or sum)." if len(foreign) == 1 else
                             "routed or summed, at most one teacher may have its own tokenizer (the others must share "
                             "the student's)."))
-    return TeacherPanel(members, args.teacher_combine, args.teacher_weights, args.teacher_column)
+    return TeacherPanel(members, args.teacher_combine, None if weights is None else list(weights), args.teacher_column)
 
 
 def _live_or_cross(teacher_model, args, student, processing_class, init_kwargs=None) -> LiveTeacher:
@@ -165,9 +169,9 @@ def _live_or_cross(teacher_model, args, student, processing_class, init_kwargs=N
     maps tokens to other ids than the student's (or `args.cross_tokenizer` says so)."""
     init_kwargs = args.teacher_model_init_kwargs if init_kwargs is None else init_kwargs
     live = LiveTeacher(teacher_model, init_kwargs)
-    tokenizer = load_teacher_tokenizer(args, live.source)
+    tokenizer = load_teacher_tokenizer(args.teacher_tokenizer_name_or_path, live.source)
     mine = processing_class or tokenizer_of(student) if tokenizer is not None else None
-    if mine is not None and wants_cross_tokenizer(args, mine, tokenizer):
+    if mine is not None and wants_cross_tokenizer(args.cross_tokenizer, mine, tokenizer):
         return CrossTokenizerTeacher(live.source, init_kwargs, mine, tokenizer, args)
     live.tokenizer = tokenizer
     return live
@@ -179,14 +183,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "sentencepiece.bpe.model")
 
 
-def load_teacher_tokenizer(args, source: str | PreTrainedModel):
-    """The teacher's tokenizer: `teacher_tokenizer_name_or_path`, else the one saved with the teacher; None when
-    there is none to load (a model object without a tokenizer path; a teacher directory with no tokenizer file at
-    all, with a warning). A tokenizer file there that cannot be read or parsed is one error naming it: the run
+def load_teacher_tokenizer(path: str | None, source: str | PreTrainedModel):
+    """The teacher's tokenizer: `path` (`teacher_tokenizer_name_or_path`), else the one saved with the teacher; None
+    when there is none to load (a model object without a tokenizer path; a teacher directory with no tokenizer file
+    at all, with a warning). A tokenizer file there that cannot be read or parsed is one error naming it: the run
     must not go on assuming the student's ids for a teacher that has its own."""
     from transformers import AutoTokenizer
 
-    path = args.teacher_tokenizer_name_or_path
     if path is None and not isinstance(source, str | os.PathLike):
         return None
     if path is None:
@@ -240,19 +243,20 @@ def _check_tokenizer_file(path: str, flag: str) -> None:
             raise ValueError(f"{flag}: the tokenizer file {path} cannot be parsed ({detail}). {fix}") from error
 
 
-def wants_cross_tokenizer(args, student_tokenizer, teacher_tokenizer) -> bool:
-    """Whether to distil across tokenizers: as `args.cross_tokenizer` says, else when their vocabularies differ."""
-    if args.cross_tokenizer is not None:
-        if args.cross_tokenizer and teacher_tokenizer is None:
+def wants_cross_tokenizer(cross_tokenizer: bool | None, student_tokenizer, teacher_tokenizer) -> bool:
+    """Whether to distil across tokenizers: as `cross_tokenizer` (the field) says, else when their vocabularies
+    differ."""
+    if cross_tokenizer is not None:
+        if cross_tokenizer and teacher_tokenizer is None:
             raise ValueError("cross_tokenizer=True needs the teacher's tokenizer: set teacher_tokenizer_name_or_path.")
-        return args.cross_tokenizer
+        return cross_tokenizer
     return teacher_tokenizer is not None and student_tokenizer.get_vocab() != teacher_tokenizer.get_vocab()
 
 
-def check_teacher_flags(args, use_peft: bool) -> None:
-    """The CLI's checks of the teacher flags that need no model (each kind's `check_flags`): fail in seconds, before
-    anything is loaded."""
-    specs = describe(args)
+def check_teacher_flags(teachers: tuple[TeacherSpec, ...], args, use_peft: bool) -> None:
+    """The CLI's checks of the teacher flags that need no model (each kind's `check_flags`), several `teachers` (the
+    run plan's) or the one of `args`: fail in seconds, before anything is loaded."""
+    specs = describe(teachers, args)
     if not specs:
         if args.alpha == 0:
             return  # cross-entropy only, as trl.SFTTrainer trains (`no_teacher`)

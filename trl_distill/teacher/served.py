@@ -133,7 +133,7 @@ class ServedTeacher(TeacherSource, OwnBatch, ScoresSamples, SamplingServer, Writ
     def score_sampled(self, batch: dict, source: dict | None = None) -> None:
         """The sampled rows' top-k, asked for at once; under the sampled-token objective only the sampled tokens'
         own log-probs (``prompt_logprobs=0``: a fraction of the bytes)."""
-        sampled_only = self.context is not None and self.context.args.on_policy_objective == "sampled_token"
+        sampled_only = self.context is not None and self.context.plan.on_policy.objective == "sampled_token"
         put_signal(batch, self.signal_key, self.request(batch, sampled_only))
 
     def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> SparseRows:

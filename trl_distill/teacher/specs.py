@@ -90,16 +90,24 @@ def _checked(spec: TeacherSpec) -> TeacherSpec:
     return spec
 
 
-def check_teachers(args) -> None:
-    """Every setting of several teachers that needs no model, checked as the config is built (one line each); turns
-    `args.teachers` into `TeacherSpec` entries and fills equal weights for mixing."""
+def parse_teachers(entries) -> tuple[TeacherSpec, ...]:
+    """`teachers` as the config holds it (a list of entries, or one entry) parsed into specs; () for None."""
+    if entries is None:
+        return ()
+    if isinstance(entries, str | dict | TeacherSpec):
+        entries = [entries]
+    return tuple(parse_teacher(entry) for entry in entries)
+
+
+def check_teachers(args) -> tuple[tuple[TeacherSpec, ...], tuple[float, ...] | None]:
+    """Every setting of several teachers that needs no model, checked as the config is built (one line each); the
+    teachers as `TeacherSpec` entries and their weights for mixing (equal unless given; None when routed or one
+    teacher). `args` stays as written."""
     if args.teachers is None:
         if args.teacher_weights is not None:
             raise ValueError("teacher_weights weight several teachers: list them with --teachers NAME=SOURCE ...")
-        return
-    if isinstance(args.teachers, str | dict):
-        args.teachers = [args.teachers]
-    specs = [parse_teacher(entry) for entry in args.teachers]
+        return (), None
+    specs = parse_teachers(args.teachers)
     if not specs:
         raise ValueError("teachers is empty: list at least one NAME=SOURCE, or pass one teacher with "
                          "--teacher_model_name_or_path.")
@@ -117,7 +125,7 @@ def check_teachers(args) -> None:
                          "both.")
     if args.teacher_combine not in COMBINE:
         raise ValueError(f"teacher_combine must be one of {', '.join(COMBINE)}, got {args.teacher_combine!r}.")
-    args.teacher_weights = _weights(args.teacher_weights, specs, args.teacher_combine)
+    weights = _weights(args.teacher_weights, specs, args.teacher_combine)
     if args.teacher_combine == "mixture":
         sparse = [spec.name for spec, kind in zip(specs, kinds, strict=True) if not kind.mixes]
         if sparse:
@@ -139,10 +147,10 @@ def check_teachers(args) -> None:
     for kind in dict.fromkeys(kinds):  # each kind's own checks, once
         if declares(kind.source_class, ChecksArgs):
             kind.source_class.check_args(args)
-    args.teachers = specs
+    return specs, None if weights is None else tuple(weights)
 
 
-def _weights(weights, specs: list[TeacherSpec], combine: str) -> list[float] | None:
+def _weights(weights, specs: tuple[TeacherSpec, ...], combine: str) -> list[float] | None:
     if combine == "route":
         if weights is not None:
             raise ValueError("teacher_weights weight a mixture of teachers; routing takes each row's teacher from the "
@@ -162,3 +170,19 @@ def _weights(weights, specs: list[TeacherSpec], combine: str) -> list[float] | N
     if not sum(weights) > 0:
         raise ValueError(f"teacher_weights are all 0: at least one teacher must teach, got {weights}.")
     return weights
+
+
+def written_teachers(teachers, weights, combine: str) -> tuple[list | None, list | None]:
+    """`teachers` and `teacher_weights` as `DistillationConfig.to_dict` writes them, JSON that builds the same run:
+    each entry in its dict form, and the weights a mixture or sum uses (equal unless given). Entries that do not
+    parse are written as given (building the config from them refuses them)."""
+    try:
+        specs = parse_teachers(teachers)
+    except ValueError:
+        return teachers, weights
+    if combine in ("mixture", "sum") and specs:
+        try:
+            weights = [1.0 / len(specs)] * len(specs) if weights is None else [float(w) for w in weights]
+        except (TypeError, ValueError):
+            pass  # written as given; `check_teachers` names what is wrong
+    return [spec.as_dict() for spec in specs] if specs else teachers, weights

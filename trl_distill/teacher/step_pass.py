@@ -28,7 +28,6 @@ from ..data.batch import loss_tokens
 from ..data.loss_layout import step_layout
 from ..model.fused_forward import gathered
 from ..rollout.sampling import DATASET, completion_source
-from ..runtime.sequence_parallel import sequence_parallel_size
 from ..runtime.validation import check_teacher_finite
 from .rows import DenseRows
 
@@ -89,12 +88,13 @@ class TeacherStepPass:
 
     def applies(self, batch_samples: list[dict]) -> bool:
         """Whether this step's teacher runs ahead. The same on every rank: the teacher's collectives must match."""
-        run, args = self.context, self.context.args
-        if not (args.teacher_step_pass and batch_samples):
+        run = self.context
+        if not (run.args.teacher_step_pass and batch_samples):
             return False
-        if completion_source(args.lmbda, args.seq_kd, args.seed, run.step) != DATASET:
+        on_policy = run.plan.on_policy
+        if completion_source(on_policy.lmbda, on_policy.seq_kd, on_policy.seed, run.step) != DATASET:
             return False  # sampled completions: the teacher runs on them, micro-batch by micro-batch
-        why = plain_rows(batch_samples, same_width=sequence_parallel_size(args) > 1)
+        why = plain_rows(batch_samples, same_width=run.plan.parallelism.sequence_parallel_size > 1)
         if why is not None and not self._told and run.accelerator.is_main_process:
             logger.warning("trl_distill: the teacher runs once per micro-batch, not once per optimizer step: %s "
                            "(padding-free or custom inputs), which are not plain [rows, length] tensors.", why)
