@@ -132,6 +132,23 @@ def forget_accelerator_state() -> None:
     AcceleratorState._reset_state(reset_partial_state=False)
 
 
+def fsdp_on_cpu_processes(accelerator, plugin) -> bool:
+    """Turn FSDP on for CPU processes as accelerate turns it on for GPU ones; True when it did.
+
+    accelerate 1.15's `AcceleratorState` takes the FSDP plugin only on accelerator devices: on CPU processes it leaves
+    the distributed type `MULTI_CPU` and drops the plugin (silently), though torch's FSDP2 runs there over gloo. Here
+    the state gets what it would have had: `distributed_type = FSDP`, the plugin, and its mixed precision."""
+    from accelerate.utils import DistributedType
+
+    state = accelerator.state
+    if plugin is None or state.distributed_type != DistributedType.MULTI_CPU:
+        return False
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)
+    state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = plugin
+    return True
+
 # ---- transformers 5.24 / TRL 1.16 ----
 
 def core_attention(implementation: str):

@@ -61,7 +61,8 @@ def docstring(config_class) -> str:
 @dataclass
 class DistillationConfig(SFTConfig):
     # Fields a JSON string may fill on the CLI (a TrainingArguments class attribute; transformers 5.24)
-    _VALID_DICT_FIELDS = compat.valid_dict_fields(SFTConfig) + ["teacher_model_init_kwargs", "teacher_deepspeed"]
+    _VALID_DICT_FIELDS = compat.valid_dict_fields(SFTConfig) + ["teacher_model_init_kwargs", "teacher_deepspeed",
+                                                                "teacher_fsdp_config"]
 
     # Teacher
 
@@ -88,6 +89,15 @@ class DistillationConfig(SFTConfig):
             "is derived, so each rank holds 1/N of the teacher; on one process there is nothing to partition over, "
             "so the teacher is held whole on the device, without ZeRO-3's per-module hooks (set this to keep ZeRO-3 "
             "there, e.g. to offload its parameters)."
+        },
+    )
+    teacher_fsdp_config: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Beside an FSDP2 student (`fsdp_version: 2`), the teacher's own FSDP2 settings: a JSON file, a "
+            'JSON string or a dict, e.g. {"reshard_after_forward": true, "dtype": "bf16"}. By default the teacher is '
+            "sharded over every rank on its own (each rank reads and holds 1/N of it), frees each layer after its "
+            "forward, and is held in the student's mixed precision, else the student's dtype."
         },
     )
     teacher_step_pass: bool = field(

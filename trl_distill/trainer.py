@@ -31,7 +31,7 @@ from .rollout.sampling import DATASET, completion_source
 from .rollout.sampling import STUDENT as STUDENT_SAMPLES
 from .rollout.task_rewards import TaskColumnsCollator, check_task_rewards, reward_columns, row_columns
 from .run_plan import resolve
-from .runtime import sequence_parallel, validation
+from .runtime import fsdp2, sequence_parallel, validation
 from .runtime.checkpoints import resume_point, run_record, save_complete_checkpoint, student_identity
 from .runtime.context import RunContext
 from .runtime.guards import Guards
@@ -201,6 +201,10 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
                         "plugins replace its accelerate state (train that one no further).")
             compat.forget_accelerator_state()
         return accelerator_args
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        self.is_fsdp_enabled = self.is_fsdp_enabled or fsdp2.turn_on_for_cpu(self.accelerator, self.args)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """`Trainer.train`, resuming only from complete checkpoints (see `trl_distill.runtime.checkpoints`)."""

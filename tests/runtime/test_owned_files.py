@@ -341,14 +341,14 @@ def test_both_load_paths_refuse_a_missing_tensor_and_accept_tied_weights(owned, 
     from trl_distill.errors import ExternalError
     from trl_distill.runtime.validation import check_weights_complete
     from trl_distill.teacher.live import LiveTeacher
-    from trl_distill.teacher.zero3_loading import _refuse_missing, safetensors_index
+    from trl_distill.teacher.zero3_loading import refuse_missing, safetensors_index
 
     teacher, needs = owned["teacher"], rf"lacks 1 tensor\(s\) the model needs \({MISSING}\)"
     model = AutoModelForCausalLM.from_pretrained(teacher)
-    _refuse_missing(str(teacher), model, safetensors_index(str(teacher)))  # the partitioned loader: whole, accepted
+    refuse_missing(str(teacher), model, safetensors_index(str(teacher)))  # the partitioned loader: whole, accepted
     _drop_tensor(teacher)
     with pytest.raises(ExternalError, match="model.safetensors " + needs):
-        _refuse_missing(str(teacher), model, safetensors_index(str(teacher)))
+        refuse_missing(str(teacher), model, safetensors_index(str(teacher)))
     torch.save(load_file(teacher / "model.safetensors"), teacher / "pytorch_model.bin")  # `from_pretrained`'s path:
     (teacher / "model.safetensors").unlink()  # a .bin, which the up-front safetensors check does not read
     with pytest.raises(ExternalError, match="pytorch_model.bin " + needs):

@@ -175,6 +175,14 @@ class LMHead:
         """The head's tensors (for `gathered`)."""
         return (self.weight,) if self.bias is None else (self.weight, self.bias)
 
+    def whole(self) -> LMHead:
+        """This head with FSDP2-sharded weights gathered whole (collective: every rank calls it); itself when they
+        are not sharded (read where the model leaves its head sharded after a forward, as the logit check does)."""
+        if not hasattr(self.weight, "full_tensor"):
+            return self
+        bias = self.bias.full_tensor() if self.bias is not None else None
+        return LMHead(self.weight.full_tensor(), bias, self.logit_scale, self.softcap)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[..., H]`` -> logits ``[..., V]`` in >= fp32: projection, then scale and softcap."""
         raw = F.linear(hidden, self.weight, self.bias)

@@ -70,7 +70,7 @@ def _features(features: LossFeatures) -> LossFeatures:
 
 def _rebuilt(features: LossFeatures) -> torch.Tensor:
     with gathered(*features.head.params):
-        return features.head.logits(features.states).float()
+        return features.head.whole().logits(features.states).float()
 
 
 @torch.no_grad()

@@ -27,6 +27,7 @@ from ..loss.sparse import top_k_teacher_signal
 from ..model.fused_forward import LossFeatures, add_fused_distillation_forward, gathered, hidden_size
 from ..model.logit_check import announce, probe_inputs, settle_logit_paths
 from ..runtime.deepspeed_config import build_teacher_config
+from ..runtime.fsdp2 import TeacherShardSettings, is_fsdp2, world_mesh
 from ..runtime.sequence_parallel import check_sharded_attention
 from ..runtime.validation import check_model_path, check_teacher_finite, check_tokenizers_match, check_weights_complete
 from .base import TeacherSource
@@ -40,6 +41,7 @@ from .capabilities import (
     StepHooks,
     WritesCache,
 )
+from .fsdp2_loading import load_sharded, release_root, shard
 from .rows import DenseRows
 from .step_pass import TeacherStepPass
 from .zero3_loading import load_partitioned, loadable
@@ -104,6 +106,7 @@ class LiveTeacher(TeacherSource, OwnEngine, OwnVocabulary, StepHooks, LogitCheck
         self.step_pass: TeacherStepPass | None = None
         self.config_notes: list[str] = []
         self.held_whole = False  # beside a one-process DeepSpeed student: no ZeRO-3 engine
+        self.sharded = False  # beside an FSDP2 student: sharded with FSDP2 on its own (`fsdp2_loading`)
         self.whole_dtype: torch.dtype | None = None  # then: the dtype its engine would have cast it to
 
     @functools.cached_property
@@ -167,7 +170,8 @@ class LiveTeacher(TeacherSource, OwnEngine, OwnVocabulary, StepHooks, LogitCheck
     def generation(self, num_processes: int) -> tuple[nn.Module, object, bool]:
         """``(model, context, synced_gpus)`` for sampling from the teacher: a partitioned teacher samples with every
         rank stepping until all ranks are done."""
-        return self.module, contextlib.nullcontext, num_processes > 1 and self.engine is not self.module
+        partitioned = self.engine is not self.module or self.sharded
+        return self.module, contextlib.nullcontext, num_processes > 1 and partitioned
 
     def _load(self) -> PreTrainedModel:
         from ..errors import ExternalError
@@ -196,7 +200,9 @@ class LiveTeacher(TeacherSource, OwnEngine, OwnVocabulary, StepHooks, LogitCheck
         """Load (if needed) and prepare the teacher. Collective under DeepSpeed: call on every rank, once."""
         if self.prepared:
             return
-        if uses_two_plugins(accelerator, self.plugin_name):
+        if is_fsdp2(accelerator):
+            model = engine = self._load_sharded(accelerator, device)
+        elif uses_two_plugins(accelerator, self.plugin_name):
             with teacher_plugin_selected(accelerator, self.plugin_name):
                 model = self._load()
                 freeze(model)
@@ -220,6 +226,32 @@ class LiveTeacher(TeacherSource, OwnEngine, OwnVocabulary, StepHooks, LogitCheck
         if isinstance(self.source, PreTrainedModel):
             self.source = model
 
+    def _load_sharded(self, accelerator, device: torch.device) -> nn.Module:
+        """Beside an FSDP2 student: the teacher sharded with FSDP2 over its own mesh, each rank reading its rows of a
+        local safetensors checkpoint; anything else is loaded whole on each rank, then sharded."""
+        settings = self.shard_settings()
+        mesh = world_mesh(accelerator)
+        kwargs = {"trust_remote_code": False, **self.init_kwargs}
+        kwargs.pop("device_map", None)
+        model = None
+        if isinstance(self.source, str) and loadable(self.source, kwargs):
+            model = load_sharded(self.source, kwargs, mesh, device, settings.reshard_after_forward)
+        if model is None:
+            logger.info("trl_distill: the %s is loaded whole on each rank, then sharded with FSDP2 (partitioned "
+                        "loading reads a local safetensors directory).", self.label)
+            model = shard(self._load(), mesh, settings.reshard_after_forward).to(device)
+        freeze(model)
+        add_fused_distillation_forward(model)
+        if self.context is not None:
+            check_sharded_attention(model, self.context.plan.parallelism, "teacher")
+        self.sharded = True
+        return model
+
+    def shard_settings(self) -> TeacherShardSettings:
+        """Its FSDP2 settings beside an FSDP2 student (`teacher_fsdp_config`)."""
+        given = self.context.args.teacher_fsdp_config if self.context is not None else None
+        return TeacherShardSettings.parse(given)
+
     def vocab_config(self, student_config):
         return self.config
 
@@ -228,8 +260,12 @@ class LiveTeacher(TeacherSource, OwnEngine, OwnVocabulary, StepHooks, LogitCheck
         to the student's ids; the once-per-step pass gets the run."""
         super().attach(context)
         if not {"dtype", "torch_dtype"} & set(self.init_kwargs):  # (held whole beside a DeepSpeed student: the
-            # dtype its ZeRO-3 engine would have cast it to)
-            self.init_kwargs["dtype"] = self.whole_dtype or context.student.dtype
+            # dtype its ZeRO-3 engine would have cast it to; sharded beside an FSDP2 student: its own, else the
+            # student's mixed precision)
+            args = context.args
+            dtype = (self.shard_settings().torch_dtype(context.student.dtype, args.bf16, args.fp16)
+                     if is_fsdp2(context.accelerator) else self.whole_dtype or context.student.dtype)
+            self.init_kwargs["dtype"] = dtype
         check_tokenizers_match(context.processing_class, self.tokenizer)
         self.step_pass = TeacherStepPass(context, self)
 
@@ -268,6 +304,8 @@ class LiveTeacher(TeacherSource, OwnEngine, OwnVocabulary, StepHooks, LogitCheck
 
     def after_loss(self) -> None:
         self.step_pass.after_loss()
+        if self.sharded and self.step_pass.idle:  # the step's last loss has read the lm_head
+            release_root(self.module)
 
     def score_sampled(self, batch: dict, source: dict | None = None) -> None:
         """Nothing to add: it runs on the sampled batch itself."""
@@ -276,6 +314,8 @@ class LiveTeacher(TeacherSource, OwnEngine, OwnVocabulary, StepHooks, LogitCheck
         """Nothing computed ahead outlives training (nor the held lm_head)."""
         if self.step_pass is not None:
             self.step_pass.release()
+        if self.sharded:
+            release_root(self.module)
 
     # ---- cache-teacher ----
 

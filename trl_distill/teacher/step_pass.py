@@ -163,6 +163,11 @@ class TeacherStepPass:
             )
         return rows
 
+    @property
+    def idle(self) -> bool:
+        """Whether no micro-batch of this step waits for its rows (the step's last loss is done, or none ran)."""
+        return not self.queue
+
     def after_loss(self) -> None:
         """Called after each micro-batch's loss: the step's last one releases the held lm_head."""
         if not self.queue:

@@ -127,7 +127,7 @@ def _pread_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
         done += n
 
 
-def _read_segments(target: torch.Tensor, segments: list[tuple[str, int]], entries: dict, first: int,
+def read_segments(target: torch.Tensor, segments: list[tuple[str, int]], entries: dict, first: int,
                    staging: HostStaging | None = None) -> int:
     """Fill `target` with elements ``[first, first + target.numel())`` of a tensor laid out as the checkpoint tensors
     `segments` one after another (`expert_layout`; one segment: the tensor itself). Returns the bytes read."""
@@ -148,7 +148,7 @@ def _read_flat(path: str, entry: dict, data_start: int, first: int, count: int) 
     return values
 
 
-def _refuse_missing(directory: str, model, entries: dict) -> None:
+def refuse_missing(directory: str, model, entries: dict) -> None:
     """One error naming the parameters the checkpoint lacks, where its tensors all carry the model's own names (the
     fallback, `from_pretrained`, would fill the others with random values; tied weights need one of their names)."""
     known = {name for name, _ in model.named_parameters(remove_duplicate=False)} | {n for n, _ in model.named_buffers()}
@@ -160,6 +160,20 @@ def _refuse_missing(directory: str, model, entries: dict) -> None:
         index = os.path.join(directory, "model.safetensors.index.json")
         source = index if os.path.exists(index) else os.path.join(directory, "model.safetensors")
         raise ExternalError(missing_tensors_message("teacher_model", source, missing))
+
+
+def parameter_layout(model_type: str, shapes: dict[str, tuple], entries: dict) -> dict | None:
+    """``{parameter name: [(checkpoint tensor, element count), ...]}``: the checkpoint tensors each parameter's flat
+    elements come from, in order (one: the tensor of the same name and shape; several: a Mixture-of-Experts
+    checkpoint whose experts are stored apart, `expert_layout`). None when the checkpoint's names or shapes are not
+    the model's (the caller loads with `from_pretrained`)."""
+    layout = {name: [(name, math.prod(shape))] for name, shape in shapes.items()}
+    if any(name not in entries or tuple(entries[name][1]["shape"]) != shape for name, shape in shapes.items()):
+        # a Mixture-of-Experts checkpoint with each expert's tensors apart: each fused parameter from them
+        layout = expert_layout(model_type, shapes, {k: tuple(e[1]["shape"]) for k, e in entries.items()})
+    if layout is None:
+        logger.info("Teacher checkpoint names/shapes differ from the model's parameters: loading with from_pretrained.")
+    return layout
 
 
 def loadable(directory: str, init_kwargs: dict) -> bool:
@@ -175,26 +189,17 @@ def load_partitioned(directory: str, init_kwargs: dict):
     exactly, so the caller can fall back to `from_pretrained`; raises `ExternalError` when its names are the
     model's but some parameter has none (it would be left random). Collective: every rank calls it.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     entries = safetensors_index(directory)
-    config_kwargs = {k: init_kwargs[k] for k in ("revision", "trust_remote_code") if k in init_kwargs}
-    config = AutoConfig.from_pretrained(directory, **config_kwargs)
-    dtype = init_kwargs.get("dtype", init_kwargs.get("torch_dtype"))
-    if dtype is None or dtype == "auto":
-        dtype = config.dtype if dtype == "auto" and config.dtype is not None else torch.float32
-    model_kwargs = {k: v for k, v in init_kwargs.items() if k in ("attn_implementation", "trust_remote_code")}
+    config, dtype, model_kwargs = construction_args(directory, init_kwargs)
     with partitioned_construction():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **model_kwargs)
     params = dict(model.named_parameters())  # tied weights appear once
-    _refuse_missing(directory, model, entries)
-    shapes = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in params.items()}
-    layout = {name: [(name, math.prod(shape))] for name, shape in shapes.items()}
-    if any(name not in entries or tuple(entries[name][1]["shape"]) != shape for name, shape in shapes.items()):
-        # a Mixture-of-Experts checkpoint with each expert's tensors apart: each fused parameter from them
-        layout = expert_layout(config.model_type, shapes, {k: tuple(e[1]["shape"]) for k, e in entries.items()})
+    refuse_missing(directory, model, entries)
+    layout = parameter_layout(config.model_type, {name: tuple(getattr(p, "ds_shape", p.shape))
+                                                  for name, p in params.items()}, entries)
     if layout is None:
-        logger.info("Teacher checkpoint names/shapes differ from the model's parameters: loading with from_pretrained.")
         return None
     if any(zero3_partition(p) is None for p in params.values()):
         return None  # not partitioned (or swapped to NVMe): nothing for a slice to go into
@@ -203,12 +208,31 @@ def load_partitioned(directory: str, init_kwargs: dict):
         for name, param in params.items():
             part, first, count = zero3_partition(param)
             # into the partition itself (through `staging` on a GPU): no second whole copy
-            _read_segments(part[:count], layout[name], entries, first, staging)
+            read_segments(part[:count], layout[name], entries, first, staging)
             part[count:].zero_()
-        buffers = dict(model.named_buffers())
-        for name, buffer in buffers.items():  # persistent buffers in the checkpoint (not partitioned by ZeRO-3)
-            if name in entries and tuple(entries[name][1]["shape"]) == tuple(buffer.shape):
-                path, entry, start = entries[name]
-                buffer.copy_(_read_flat(path, entry, start, 0, buffer.numel()).view(buffer.shape).to(buffer.dtype))
+        fill_buffers(model, entries)  # (not partitioned by ZeRO-3)
     model.eval()
     return model
+
+
+def construction_args(directory: str, init_kwargs: dict) -> tuple:
+    """``(config, dtype, from_config keyword arguments)`` to build the model of the checkpoint in `directory` as
+    `from_pretrained` with `init_kwargs` would."""
+    from transformers import AutoConfig
+
+    config_kwargs = {k: init_kwargs[k] for k in ("revision", "trust_remote_code") if k in init_kwargs}
+    config = AutoConfig.from_pretrained(directory, **config_kwargs)
+    dtype = init_kwargs.get("dtype", init_kwargs.get("torch_dtype"))
+    if dtype is None or dtype == "auto":
+        dtype = config.dtype if dtype == "auto" and config.dtype is not None else torch.float32
+    model_kwargs = {k: v for k, v in init_kwargs.items() if k in ("attn_implementation", "trust_remote_code")}
+    return config, dtype, model_kwargs
+
+
+@torch.no_grad()
+def fill_buffers(model, entries: dict) -> None:
+    """Copy the checkpoint's persistent buffers (those of the model's names and shapes) into the model's."""
+    for name, buffer in model.named_buffers():
+        if name in entries and tuple(entries[name][1]["shape"]) == tuple(buffer.shape):
+            path, entry, start = entries[name]
+            buffer.copy_(_read_flat(path, entry, start, 0, buffer.numel()).view(buffer.shape).to(buffer.dtype))
