@@ -137,7 +137,10 @@ def fsdp_on_cpu_processes(accelerator, plugin) -> bool:
 
     accelerate 1.15's `AcceleratorState` takes the FSDP plugin only on accelerator devices: on CPU processes it leaves
     the distributed type `MULTI_CPU` and drops the plugin (silently), though torch's FSDP2 runs there over gloo. Here
-    the state gets what it would have had: `distributed_type = FSDP`, the plugin, and its mixed precision."""
+    the state gets what it would have had: `distributed_type = FSDP`, the plugin, and its mixed precision; and, as
+    accelerate's own init ends, `PartialState._shared_state["distributed_type"]` (which every later
+    `AcceleratorState()` copies back)."""
+    from accelerate import PartialState
     from accelerate.utils import DistributedType
 
     state = accelerator.state
@@ -147,6 +150,7 @@ def fsdp_on_cpu_processes(accelerator, plugin) -> bool:
         plugin.set_mixed_precision(state.mixed_precision)
     state.distributed_type = DistributedType.FSDP
     state.fsdp_plugin = plugin
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     return True
 
 # ---- transformers 5.24 / TRL 1.16 ----

@@ -73,6 +73,7 @@ def add_fused_distillation_forward(model: nn.Module) -> None:
                 logits = logits[:, loss_positions]
             return fused_distillation(LossFeatures(logits, None, outputs.aux_loss if routed else None))
         head = LMHead.of(self)  # before any compute: a model we cannot rebuild fails here, not mid-forward
+        unshard_if_fsdp2(self.get_output_embeddings())
         outputs = backbone(self)(*args, **kwargs)
         hidden = outputs.last_hidden_state
         if loss_positions is not None:
@@ -82,6 +83,18 @@ def add_fused_distillation_forward(model: nn.Module) -> None:
 
     model.forward = types.MethodType(forward, model)
     setattr(model, _PATCHED, True)
+
+
+def unshard_if_fsdp2(module: nn.Module) -> None:
+    """Gather an lm_head that FSDP2 shards in a group of its own (accelerate 1.15 carves ``[final norm, lm_head]``
+    out of the root, and only the lm_head when it finds no final norm, as for a PEFT model): FSDP2 gathers a group
+    when one of its modules is called, and the fused path reads the weight without calling the lm_head. Its
+    gradient is reduce-scattered after the backward as for any group whose forward did not run (torch 2.13's
+    final post-backward callback)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(module, FSDPModule):
+        module.unshard()
 
 
 def router_aux_loss(model: nn.Module, router_logits, attention_mask: torch.Tensor | None) -> torch.Tensor:
