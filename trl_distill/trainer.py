@@ -272,6 +272,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         # Before `train()` the stock loop would build a ZeRO-3 inference engine for the student, which refuses a
         # ZeRO-0/1/2 config. Such a student holds all its weights on every rank: evaluate the module as it is.
         hide = student_plugin is not None and self.deepspeed is None and student_plugin.zero_stage != 3
+        fsdp2.refuse_evaluation_before_training(self.accelerator)
         self.metrics.start_evaluation()
         with self.deepspeed_hidden() if hide else contextlib.nullcontext():
             output = self.metrics.finish_evaluation(super().evaluation_loop(*args, **kwargs))

@@ -98,3 +98,12 @@ def world_mesh(accelerator):
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
+
+
+def refuse_evaluation_before_training(accelerator) -> None:
+    """One line for `evaluate()` before `train()` under FSDP2: accelerate 1.15 prepares an FSDP2 model only together
+    with its optimizer (which `train()` creates), and the stock evaluation loop would prepare the student alone."""
+    if is_fsdp2(accelerator) and not compat.prepared_models(accelerator):
+        raise ValueError("evaluate() before train() with an FSDP2 student: accelerate prepares an FSDP2 model only "
+                         "together with its optimizer, which train() creates. Evaluate during training "
+                         "(eval_strategy='steps') or after train(), or evaluate first with a DeepSpeed student.")
