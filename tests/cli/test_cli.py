@@ -1,6 +1,7 @@
 """`trl-distill` / `python -m trl_distill`: flags, dataset formats, bad input, 2 processes via accelerate."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -184,3 +185,25 @@ def test_the_generation_eval_from_the_command_line_on_conversations(tiny_pair, t
                and "eval_teacher_nll" in h for h in evals)
     main(["report", str(out)])
     assert "| eval_pass@1 |" in (out / "report.md").read_text()
+
+
+@pytest.mark.distributed
+def test_two_processes_with_the_fsdp2_accelerate_config(tiny_pair, datasets, tmp_path):
+    """`accelerate launch --config_file configs/accelerate/fsdp2_student_fsdp2_teacher.yaml -m trl_distill`, no
+    other flag: an FSDP2 student (its checkpoint in FSDP's format) beside a teacher sharded over both ranks."""
+    out = tmp_path / "out"
+    args = base_args(tiny_pair, datasets["prompt_completion"], out)
+    args.remove("--use_cpu")
+    args[args.index("--save_strategy") + 1] = "steps"
+    yaml = str(ROOT / "configs" / "accelerate" / "fsdp2_student_fsdp2_teacher.yaml")
+    result = launch("trl_distill", *args, "--save_steps", "2", launcher="accelerate",
+                    launcher_args=("--config_file", yaml, "-m"), cwd=ROOT)
+    assert result.stdout.count("'kd_loss'") == 2  # logged once per step (rank 0 prints)
+    held = re.search(r"the teacher is sharded with FSDP2 over 2 ranks: this rank holds ([\d.]+) of its ([\d.]+) MiB",
+                     result.stdout)
+    assert held and float(held[1]) == pytest.approx(float(held[2]) / 2, abs=0.006), result.stdout[-3000:]
+    assert (out / "checkpoint-2" / "pytorch_model_fsdp.bin").exists()  # FSDP's own checkpoint of the student
+    assert "model.safetensors" in {p.name for p in out.iterdir()}
+    saved = AutoModelForCausalLM.from_pretrained(out)
+    assert sum(p.numel() for p in saved.parameters()) == sum(
+        p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_pair["student"]).parameters())

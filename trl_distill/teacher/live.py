@@ -41,7 +41,7 @@ from .capabilities import (
     StepHooks,
     WritesCache,
 )
-from .fsdp2_loading import load_sharded, release_root, shard
+from .fsdp2_loading import load_sharded, release_root, shard, teacher_bytes
 from .rows import DenseRows
 from .step_pass import TeacherStepPass
 from .zero3_loading import load_partitioned, loadable
@@ -245,6 +245,10 @@ class LiveTeacher(TeacherSource, OwnEngine, OwnVocabulary, StepHooks, LogitCheck
         if self.context is not None:
             check_sharded_attention(model, self.context.plan.parallelism, "teacher")
         self.sharded = True
+        held, total = teacher_bytes(model)
+        logger.info("trl_distill: the %s is sharded with FSDP2 over %d ranks: this rank holds %.2f of its %.2f MiB "
+                    "(%s).", self.label, accelerator.num_processes, held / 2**20, total / 2**20,
+                    next(model.parameters()).dtype)
         return model
 
     def shard_settings(self) -> TeacherShardSettings:
