@@ -111,3 +111,18 @@ def test_lora_on_fsdp2_saves_an_adapter_only_checkpoint(fsdp2_runs):
     assert sorted(adapter["target_modules"]) == ["q_proj", "v_proj"]
     losses = logged(fsdp2_runs["lora"][0]["log_history"])
     assert losses == logged(fsdp2_runs["lora"][1]["log_history"]) and losses[6] < losses[1]
+
+
+def test_the_planners_fsdp2_column_matches_what_each_rank_holds(fsdp2_runs):
+    """`trl-distill plan`'s fsdp2 column (fp32, 1 node x 2) against the run: the teacher's and the student's 1/N, and
+    the optimizer's moments on 1/N."""
+    from trl_distill.runtime import plan
+
+    pair = fsdp2_runs["pair"]
+    student, teacher = (plan.load_spec(os.path.join(pair, name)) for name in ("student", "teacher"))
+    settings = plan.Settings(nodes=1, gpus_per_node=2, dtype="fp32", micro_batch=2, seq_len=64)
+    rows = plan.estimate(student, teacher, settings, **plan.CONFIGS["fsdp2"][1])
+    for rank in fsdp2_runs["main"]:
+        assert rows["teacher_params"] == rank["teacher"]["held"]
+        assert rows["student_params"] == rank["student"]["held"] + rank["student"]["total"]  # 1/N + gathered
+        assert rows["optimizer"] == rank["moment_bytes"]

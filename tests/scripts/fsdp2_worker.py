@@ -85,6 +85,8 @@ def main():
     rec["student"] = shares(trainer.model)
     rec["teacher"] = shares(trainer.teacher.module)
     rec["teacher_root_gathered"] = not hasattr(trainer.teacher.module.lm_head.weight, "to_local")
+    moments = [state[k] for state in trainer.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    rec["moment_bytes"] = sum(m.to_local().numel() * m.element_size() for m in moments)
     if mode == "main":
         rec["eval_after"] = trainer.evaluate()
         trainer.save_model(os.path.join(out, mode, "final"))

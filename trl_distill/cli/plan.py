@@ -11,12 +11,12 @@ from ..runtime.plan import (
     OPTIMIZER_BYTES,
     Settings,
     check_size,
-    format_plan,
     load_spec,
     parse_count,
     plan,
 )
 from ..runtime.plan_long import format_long_rows, long_rows
+from ..runtime.plan_text import format_plan
 from .errors import errors_as_messages
 
 EPILOG = f"""\

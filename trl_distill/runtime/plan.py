@@ -1,8 +1,8 @@
-"""The memory planner behind `trl-distill plan` (its command line: `cli/plan.py`): per-GPU memory
-of a distillation run, estimated for six setups (ours: ZeRO-2 student + ZeRO-3 teacher; TRL's replicated teacher
-with full logits; ZeRO-3 for both; ours with the teacher's parameters or the student's optimizer on CPU; the teacher
-served by vLLM elsewhere, 0 teacher bytes here), and the cheapest one that fits. S and T: a model directory, a
-config.json or a count (`8B`). See docs/planner.md.
+"""The memory planner behind `trl-distill plan` (its command line: `cli/plan.py`, its table: `plan_text.py`):
+per-GPU memory of a distillation run, estimated for seven setups (ours: ZeRO-2 student + ZeRO-3 teacher; TRL's
+replicated teacher with full logits; ZeRO-3 for both; ours with the teacher's parameters or the student's optimizer on
+CPU; the teacher served by vLLM elsewhere, 0 teacher bytes here; an FSDP2 student beside an FSDP2 teacher), and the
+cheapest DeepSpeed one that fits. S and T: a model directory, a config.json or a count (`8B`). See docs/planner.md.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ CONFIGS = {
     "offload_optimizer": ("ours + student optimizer on CPU", dict(student_stage=2, teacher="zero3", offload_opt=True)),
     "served": ("ZeRO-2 student + teacher served by vLLM elsewhere (--teacher_server), top-k loss",
                dict(student_stage=2, teacher="served")),
+    "fsdp2": ("FSDP2 student (reshard_after_forward false) + FSDP2 teacher, chunked loss",
+              dict(teacher="zero3", engine="fsdp2")),
 }
 SERVED_TOP_K = 64  # --teacher_server_top_k's default: ids (int64) and log-probs (fp32) per loss token
 LIMIT = 10**15  # the largest count, size or dimension planned: past it the arithmetic leaves float range
@@ -273,10 +275,12 @@ def teacher_held(teacher: ModelSpec, mode: str, gpus: int) -> int:
 
 
 def estimate(student: ModelSpec, teacher_spec: ModelSpec | tuple[ModelSpec, ...], s: Settings, student_stage: int = 2,
-             teacher: str = "zero3", offload_opt: bool = False, chunked: bool = True) -> dict[str, int]:
+             teacher: str = "zero3", offload_opt: bool = False, chunked: bool = True,
+             engine: str = "deepspeed") -> dict[str, int]:
     """Per-GPU bytes of each component for one setup (see `CONFIGS`). Several teachers (a tuple): each holds its
     own shard and, through the step, its own hidden states and lm_head (the sums); they run one after another, so
-    the gather buffers and the working set are the largest one's."""
+    the gather buffers and the working set are the largest one's. `engine` "fsdp2": the model states as FSDP2
+    holds them (`fsdp2_model_states`); the rest as ours."""
     b, n = DTYPE_BYTES[s.dtype], s.gpus
     teachers = each_teacher(teacher_spec)
     shard = -(-student.params // n)
@@ -297,7 +301,33 @@ def estimate(student: ModelSpec, teacher_spec: ModelSpec | tuple[ModelSpec, ...]
         rows["logits_loss"] += len(teachers) * s.micro_batch * s.seq_len * SERVED_TOP_K * (8 + 4)
     if teacher in ("zero3", "offload"):
         rows["teacher_step"] = sum(teacher_step_bytes(t, s) for t in teachers)
+    if engine == "fsdp2":
+        rows.update(fsdp2_model_states(student, teachers, s))
     return rows
+
+
+def decoder_layer(spec: ModelSpec) -> int:
+    """Parameters of one decoder layer (what FSDP2 gathers at once for a layer, every expert of an MoE layer)."""
+    return (spec.params - spec.vocab * spec.hidden * (1 if spec.tied else 2)) // max(spec.layers, 1)
+
+
+def fsdp2_model_states(student: ModelSpec, teachers: tuple[ModelSpec, ...], s: Settings) -> dict[str, int]:
+    """The rows FSDP2 holds otherwise than DeepSpeed. The student (accelerate's FSDP2, reshard_after_forward false:
+    every layer stays gathered from its forward to its backward): its 1/N fp32 parameters (accelerate keeps the
+    trained ones in fp32 under mixed precision; they are the optimizer's master copy), the whole model gathered in the
+    run's dtype, 1/N fp32 gradients plus one layer's before its reduce-scatter, and the optimizer's moments on 1/N.
+    Each teacher: its 1/N rows; one layer gathered and the next prefetched; its embeddings, gathered with its root
+    through the step (the lm_head is in `teacher_step`)."""
+    b, n = DTYPE_BYTES[s.dtype], s.gpus
+    shard = zero3_shard(student, n)
+    layer = max(decoder_layer(t) for t in teachers)
+    return {
+        "teacher_params": sum(zero3_shard(t, n) for t in teachers) * b,
+        "student_params": shard * 4 + student.params * b,
+        "student_grads": shard * 4 + decoder_layer(student) * b,
+        "optimizer": shard * (OPTIMIZER_BYTES[s.optimizer] - 4),
+        "gather_buffers": (2 * layer + sum(0 if t.tied else t.vocab * t.hidden for t in teachers)) * b,
+    }
 
 
 def deepspeed_estimates(student: ModelSpec, teacher: ModelSpec, s: Settings, name: str) -> dict[str, int]:
@@ -367,7 +397,8 @@ def plan(student: ModelSpec, teacher: ModelSpec, s: Settings, deepspeed_check: b
     setups = evaluate(student, teacher, s)
     if deepspeed_check:
         for name, setup in setups.items():
-            setup["deepspeed"] = deepspeed_estimates(student, teacher, s, name)
+            if CONFIGS[name][1].get("engine", "deepspeed") == "deepspeed":  # (DeepSpeed's estimators: its setups)
+                setup["deepspeed"] = deepspeed_estimates(student, teacher, s, name)
     teachers = each_teacher(teacher)
     roles = [("teacher", teachers[0])] if len(teachers) == 1 else [(f"teacher {i + 1}", t) for i, t in
                                                                      enumerate(teachers)]
@@ -379,68 +410,3 @@ def plan(student: ModelSpec, teacher: ModelSpec, s: Settings, deepspeed_check: b
     return {"settings": asdict(s), "gpus": s.gpus, "budget": s.budget, "headroom": HEADROOM, "models": models,
             "chunk_rows": chunk_rows(student, s), "teacher_rows": s.teacher_rows, "configs": setups,
             "recommendation": recommend(student, teacher, s, setups)}
-
-
-# ---- Output ----
-
-def _row(label: str, values, fmt) -> str:
-    return f"{label:<24}" + "".join(f"{fmt(v):>19}" for v in values)
-
-
-def format_plan(result: dict) -> str:
-    """A table: one column per setup, one row per component, in GiB per GPU (MiB for tiny models)."""
-    s, setups = result["settings"], result["configs"]
-    unit, scale = ("MiB", 2**20) if max(x["total"] for x in setups.values()) < GIB else ("GiB", GIB)
-
-    def size(n: int) -> str:
-        return f"{n / scale:.2f}"
-
-    lines = [
-        f"Per-GPU memory ({unit}), {s['nodes']} node(s) x {s['gpus_per_node']} GPUs x {s['gpu_memory_gb']:g} GiB; "
-        f"budget {result['budget'] / GIB:.2f} GiB after {result['headroom']:.0%} headroom",
-        f"{s['dtype']}, micro batch {s['micro_batch']}, seq {s['seq_len']}, {s['optimizer']}, gradient checkpointing "
-        f"{'on' if s['gradient_checkpointing'] else 'off'}, loss chunk {result['chunk_rows']} rows, gradient "
-        f"accumulation {s['gradient_accumulation']}, teacher rows per forward {result['teacher_rows']}"
-        + (f", sequence parallel {s['sequence_parallel']} (not TRL's column)" if s["sequence_parallel"] > 1 else ""),
-        *(f"{role}: {m['params'] / 1e9:.3f}B params, h={m['hidden']}, L={m['layers']}, V={m['vocab']}, "
-          f"i={m['intermediate']}" + moe_text(m.get("moe")) + f" ({m['source']})" + ("" if "ours" not in m else
-          f"; in ours: teacher_params {size(m['ours']['teacher_params'])}, teacher_step "
-          f"{size(m['ours']['teacher_step'])} {unit}") for role, m in result["models"].items()),
-        "",
-        _row("component", setups, str),
-        *(_row(row, [x["rows"][row] for x in setups.values()], size) for row in ROWS),
-        _row("total", [x["total"] for x in setups.values()], size),
-        _row("fits", [x["fits"] for x in setups.values()], lambda fits: "yes" if fits else "NO"),
-    ]
-    if all("deepspeed" in x for x in setups.values()):
-        ds = [sum(x["deepspeed"].values()) for x in setups.values()]
-        lines.append(_row("deepspeed model states", ds, size))
-    lines += ["", *(f"  {name}: {x['description']}" for name, x in setups.items()),
-              "  (teacher_step: the teacher's hidden states at the step's loss tokens and its lm_head, held through "
-              "each optimizer step: the teacher runs once per step)", ""]
-    return "\n".join(lines + [recommendation_text(result)])
-
-
-def moe_text(moe: dict | None) -> str:
-    """An MoE model's line: experts routed per token and the parameters a token computes with."""
-    if not moe:
-        return ""
-    return (f", MoE {moe['experts']} experts ({moe['experts_per_token']} per token, {moe['moe_layers']} layers), "
-            f"{moe['active_params'] / 1e9:.3f}B active")
-
-
-def recommendation_text(result: dict) -> str:
-    rec = result["recommendation"]
-    served = result["configs"]["served"]
-    elsewhere = (f" Or serve the teacher with vLLM on other GPUs (--teacher_server): {served['total'] / GIB:.2f} GiB "
-                 "per GPU here (the `served` column)." if served["fits"] else "")
-    if rec["config"] is None:
-        return f"Recommendation: nothing fits, even at micro batch 1 with gradient checkpointing. Add GPUs.{elsewhere}"
-    text = f"Recommendation: {rec['config']} ({result['configs'][rec['config']]['description']})"
-    total = f"{rec['total'] / GIB:.2f} GiB per GPU"
-    whole = (" On 1 GPU the teacher is held whole: nothing to partition over, so no ZeRO-3 hooks (teacher_deepspeed "
-             "keeps ZeRO-3)." if result["gpus"] == 1 and rec["config"] in ("ours", "offload_optimizer") else "")
-    if rec["settings"]:
-        knobs = ", ".join(f"--{k} {v}" for k, v in rec["settings"].items())
-        return f"Nothing fits as given. {text}, {total} with {knobs}.{whole}{elsewhere}"
-    return f"{text}, {total}.{whole}"
