@@ -77,7 +77,10 @@ def teacher_bytes(module: torch.nn.Module) -> dict[str, int]:
     partition = full = total = 0
     for p in module.parameters():
         size = p.element_size()
-        if hasattr(p, "ds_tensor"):
+        if hasattr(p, "to_local"):  # FSDP2: this rank's rows
+            partition += p.to_local().numel() * size
+            total += p.numel() * size
+        elif hasattr(p, "ds_tensor"):
             partition += p.ds_tensor.numel() * size
             total += p.ds_numel * size
             full += p.numel() * size  # 0 while partitioned; the whole tensor for persistent parameters
@@ -133,12 +136,17 @@ def lora_config(spec: dict):
 
 
 # ---- contenders ---------------------------------------------------------------------------------------------
+FSDP2_ARGS = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": False,
+                                                    "auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}}
+
+
 def common_args(spec: dict) -> dict:
-    return dict(
+    return dict(**(FSDP2_ARGS if spec.get("fsdp2") else {}),
         output_dir=spec["out"], max_steps=spec["steps"], per_device_train_batch_size=spec["batch"],
         gradient_accumulation_steps=spec.get("accumulation", 1),
         learning_rate=1e-4, lr_scheduler_type="constant", seed=0, bf16=spec.get("bf16", False), fp16=False,
-        use_cpu=spec.get("bf16", False) and not torch.cuda.is_available(),  # transformers' bf16 on CPU needs it
+        # transformers' bf16 on CPU needs it, and its gloo process group for FSDP without DeepSpeed (GKD's config)
+        use_cpu=(spec.get("bf16", False) or spec.get("fsdp2", False)) and not torch.cuda.is_available(),
         gradient_checkpointing=False, report_to="none", disable_tqdm=True, save_strategy="no",
         logging_steps=spec.get("logging_steps", 10**6), remove_unused_columns=False,
         dataset_kwargs={"skip_prepare_dataset": True}, deepspeed=spec["deepspeed"], dataloader_num_workers=0,
@@ -190,6 +198,7 @@ def train_ours(trainer, spec: dict, rec: dict) -> list[float]:
     rec["teacher_bytes"] = teacher_bytes(teacher) if teacher is not None else {"held": 0}
     rec["dtypes"] = {"student": str(trainer.model.dtype), "teacher": str(teacher.dtype) if teacher else None}
     rec["world_size"] = trainer.args.world_size
+    rec["fsdp2"] = bool(getattr(trainer.accelerator, "is_fsdp2", False))
     rec["split"] = timer.split
     return timer.ends
 
@@ -214,6 +223,7 @@ def run_gkd(spec: dict, rec: dict, data, tokenizer) -> list[float]:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
+    from trl_distill.runtime import fsdp2
     from trl_distill.runtime.distributed import prepare_cpu_distributed_state
 
     class CPUGKDConfig(GKDConfig):
@@ -223,11 +233,19 @@ def run_gkd(spec: dict, rec: dict, data, tokenizer) -> list[float]:
             prepare_cpu_distributed_state(self)
             super().__post_init__()
 
+    class CPUGKDTrainer(GKDTrainer):
+        """GKDTrainer with FSDP2 turned on for CPU processes as ours turns it on (accelerate 1.15 drops it there);
+        GKD prepares its teacher with `prepare_model(evaluation_mode=True)`: replicated on every rank."""
+
+        def create_accelerator_and_postprocess(self):
+            super().create_accelerator_and_postprocess()
+            self.is_fsdp_enabled = self.is_fsdp_enabled or fsdp2.turn_on_for_cpu(self.accelerator, self.args)
+
     settings = {"lmbda": 0.0, **spec.get("config", {})}
     args = CPUGKDConfig(**common_args(spec), beta=0.0, seq_kd=False, temperature=1.0, **settings)
     probe(rec, "before_trainer")
     gpu_turn()
-    trainer = GKDTrainer(
+    trainer = CPUGKDTrainer(
         spec["student"], spec["teacher"], args=args, train_dataset=data, processing_class=tokenizer,
         data_collator=collate_with_prompts if settings["lmbda"] > 0 else collate, peft_config=lora_config(spec),
     )
@@ -239,6 +257,7 @@ def run_gkd(spec: dict, rec: dict, data, tokenizer) -> list[float]:
     rec["teacher_bytes"] = teacher_bytes(teacher)
     rec["dtypes"] = {"student": str(trainer.model.dtype), "teacher": str(teacher.dtype)}
     rec["world_size"] = trainer.args.world_size
+    rec["fsdp2"] = bool(getattr(trainer.accelerator, "is_fsdp2", False))
     rec["split"] = timer.split
     return timer.ends
 

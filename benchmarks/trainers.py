@@ -35,9 +35,10 @@ from _common import median_range as _mmm  # noqa: E402
 from trainers_tables import README_END, README_START, SUMMARY_MARKERS, SUMMARY_RATIOS, summary_block, update_readme  # noqa: E402,F401
 
 Z2, Z3 = str(ROOT / "configs/deepspeed/zero2_student.json"), str(ROOT / "configs/deepspeed/zero3_student.json")
+FSDP2 = "fsdp2"  # in place of a DeepSpeed config: the student under accelerate's FSDP2 (`trainer_worker.FSDP2_ARGS`)
 MIB = 1 << 20
 
-# name: (trainer, student DeepSpeed config, processes, label). Listed so that compared runs are neighbours.
+# name: (trainer, student DeepSpeed config or FSDP2, processes, label). Listed so that compared runs are neighbours.
 CONTENDERS = {
     "gkd_1p": ("gkd", None, 1, "GKD, 1 process, no DeepSpeed"),
     "ours_1p": ("ours", None, 1, "ours, 1 process, no DeepSpeed"),
@@ -46,6 +47,8 @@ CONTENDERS = {
     "ours_z2_z3": ("ours", Z2, 2, "ours, student ZeRO-2 + teacher ZeRO-3"),
     "ours_z3_z3": ("ours", Z3, 2, "ours, ZeRO-3 for both"),
     "gkd_z3": ("gkd", Z3, 2, "GKD, ZeRO-3 for both"),
+    "ours_fsdp2": ("ours", FSDP2, 2, "ours, FSDP2 student + FSDP2 teacher"),
+    "gkd_fsdp2": ("gkd", FSDP2, 2, "GKD, FSDP2 student (teacher replicated)"),
     # gradient accumulation 8, micro batch 1 (`plan()["ga8"]`): the teacher once per optimizer step pays off here
     "ours_1p_ga8": ("ours", None, 1, "ours, 1 process, no DeepSpeed, grad. accum. 8"),
     "gkd_z2_ga8": ("gkd", Z2, 2, "GKD, student ZeRO-2, grad. accum. 8"),
@@ -63,6 +66,13 @@ RATIOS = {
     "tokens_vs_gkd_z2": ("ours_z2_z3", "gkd_z2", "tokens_per_s", ">=", 1.0, "tokens/s, 2 processes"),
     "tokens_vs_ours_z3_z3": ("ours_z2_z3", "ours_z3_z3", "tokens_per_s", ">=", 1.5, "tokens/s vs ZeRO-3 for both"),
     "tokens_vs_gkd_z3": ("ours_z2_z3", "gkd_z3", "tokens_per_s", ">=", 1.5, "tokens/s vs GKD ZeRO-3 for both"),
+    "fsdp2_tokens_vs_ours_z2_z3": ("ours_fsdp2", "ours_z2_z3", "tokens_per_s", ">=", 1.0,
+                                   "tokens/s, our FSDP2 pair / our DeepSpeed pair"),
+    "fsdp2_train_peak_vs_ours_z2_z3": ("ours_fsdp2", "ours_z2_z3", "train_peak_mib", "<=", 1.0,
+                                       "peak RSS per rank, training, FSDP2 pair / DeepSpeed pair"),
+    "fsdp2_tokens_vs_gkd_fsdp2": ("ours_fsdp2", "gkd_fsdp2", "tokens_per_s", None, None, "tokens/s vs GKD with FSDP2"),
+    "fsdp2_teacher_bytes_vs_gkd_fsdp2": ("ours_fsdp2", "gkd_fsdp2", "teacher_mib", "<=", 0.55,
+                                         "teacher bytes per rank vs GKD with FSDP2"),
     "tokens_1p_vs_gkd_1p": ("ours_1p", "gkd_1p", "tokens_per_s", ">=", 1.2, "tokens/s, 1 process"),
     "step_time_vs_bare": ("ours_1p", "bare_1p", "step_s", "<=", 1.10, "step time vs bare loop, 1 process"),
     "gkd_step_time_vs_bare": ("gkd_1p", "bare_1p", "step_s", None, None, "GKD step time vs bare loop"),
@@ -147,7 +157,8 @@ def run_contender(name: str, cfg: dict, models: dict, out: Path, extra: dict | N
     trainer, deepspeed, nproc, _ = CONTENDERS[name]
     run = shape(name, cfg)
     spec = {
-        "trainer": trainer, "deepspeed": deepspeed, "out": str(out), "student": models["student"],
+        "trainer": trainer, "deepspeed": None if deepspeed == FSDP2 else deepspeed, "fsdp2": deepspeed == FSDP2,
+        "out": str(out), "student": models["student"],
         "teacher": models["teacher"], "tokenizer": models["tokenizer"], "vocab_size": cfg["vocab_size"],
         "seq_len": cfg["seq_len"], "prompt_len_range": cfg["prompt_len_range"], **run, "data_seed": 0,
         "num_examples": run["steps"] * run["batch"] * run["accumulation"] * nproc, **(extra or {}),
@@ -172,7 +183,7 @@ def run_contender(name: str, cfg: dict, models: dict, out: Path, extra: dict | N
 
 def _contender_info(name: str) -> dict:
     trainer, deepspeed, nproc, label = CONTENDERS[name]
-    config = os.path.relpath(deepspeed, ROOT) if deepspeed else None
+    config = os.path.relpath(deepspeed, ROOT) if deepspeed not in (None, FSDP2) else deepspeed
     return {"trainer": trainer, "student_deepspeed": config, "processes": nproc, "label": label}
 
 
