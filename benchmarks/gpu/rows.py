@@ -41,6 +41,10 @@ ROWS = {
                               "sampled tokens, reward log p_teacher - log p_student); TRL has none",
                               phase="on_policy", vs="ours_on_policy",
                               settings={"on_policy": True, "config": {"on_policy_objective": "sampled_token"}}),
+    "ours_fsdp2": Row("ours", "ours with an FSDP2 student beside an FSDP2 teacher (accelerate fsdp_version 2) instead of "
+                      "the DeepSpeed pair; one GPU runs it at world size 1, nothing to shard over (the CPU dry run, "
+                      "where one process cannot run FSDP, runs it as ours_torchrun_1)", vs="ours_torchrun_1",
+                      settings={"fsdp2": True}),
     "ours_lora": Row("ours", "ours, LoRA student (peft; the base frozen)", vs="gkd_lora", settings={"lora": True}),
     "gkd_lora": Row("gkd", "TRL GKDTrainer, lmbda 0, beta 0, the same LoRA (peft_config)", settings={"lora": True}),
     "ours_moe": Row("ours", "ours, a Mixture-of-Experts student (Mixtral) with its router loss "
@@ -140,6 +144,8 @@ def spec_of(name: str, sizes: dict, models: dict, out: Path, work: Path) -> dict
         spec["config"].update(lmbda=1.0, max_new_tokens=phase["new_tokens"])
     if settings.get("lora"):
         spec["lora"] = sizes["lora"]
+    if settings.get("fsdp2") and torch.cuda.is_available():  # (one CPU process has no FSDP: see the row)
+        spec.update(deepspeed=None, fsdp2=True)
     if "student" in settings:
         spec["student"] = models[settings["student"]]
     if row.trainer in ("cli", "cache_write"):
