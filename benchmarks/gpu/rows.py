@@ -41,9 +41,9 @@ ROWS = {
                               "sampled tokens, reward log p_teacher - log p_student); TRL has none",
                               phase="on_policy", vs="ours_on_policy",
                               settings={"on_policy": True, "config": {"on_policy_objective": "sampled_token"}}),
-    "ours_fsdp2": Row("ours", "ours with an FSDP2 student beside an FSDP2 teacher (accelerate fsdp_version 2) instead of "
-                      "the DeepSpeed pair; one GPU runs it at world size 1, nothing to shard over (the CPU dry run, "
-                      "where one process cannot run FSDP, runs it as ours_torchrun_1)", vs="ours_torchrun_1",
+    "ours_fsdp2": Row("ours", "ours with an FSDP2 student beside an FSDP2 teacher (accelerate fsdp_version 2) "
+                      "instead of the DeepSpeed pair; one GPU runs it at world size 1, nothing to shard over (the CPU "
+                      "dry run, where one process cannot run FSDP, runs it as ours_torchrun_1)", vs="ours_torchrun_1",
                       settings={"fsdp2": True}),
     "ours_lora": Row("ours", "ours, LoRA student (peft; the base frozen)", vs="gkd_lora", settings={"lora": True}),
     "gkd_lora": Row("gkd", "TRL GKDTrainer, lmbda 0, beta 0, the same LoRA (peft_config)", settings={"lora": True}),
