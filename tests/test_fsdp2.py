@@ -25,7 +25,9 @@ def fsdp2_runs(tiny_pair, tmp_path_factory) -> dict:
     pair = str(Path(tiny_pair["teacher"]).parent)
     worker = SCRIPTS / "fsdp2_worker.py"
     launch(worker, pair, str(out), "main", timeout=400)
-    launch(worker, pair, str(out), "resume", str(out / "main" / "checkpoint-3"), timeout=300)
+    with pytest.raises(RuntimeError, match="exitcode  : -9"):  # a rank killed: its own launch, not the shared ranks
+        launch(worker, pair, str(out), "killed", timeout=300, own_launch=True)
+    launch(worker, pair, str(out), "resume", timeout=300)
     launch(worker, pair, str(out), "lora", timeout=300)
     runs = {mode: read_rank_records(out / mode) for mode in ("main", "resume", "lora")}
     runs["dir"], runs["pair"] = out, pair
@@ -71,8 +73,11 @@ def test_each_rank_read_only_its_rows_of_the_teacher(fsdp2_runs):
     assert [r["teacher_bytes_read"] for r in ranks] == [total // 2, total // 2]
 
 
-def test_resume_reproduces_the_uninterrupted_run(fsdp2_runs):
+def test_resume_after_a_kill_reproduces_the_uninterrupted_run(fsdp2_runs):
+    """Rank 1 was killed at the end of step 4; `resume_from_checkpoint=True` finds checkpoint-3 and steps 4-6 give the
+    uninterrupted run's losses."""
     main, resumed = fsdp2_runs["main"][0], fsdp2_runs["resume"][0]
+    assert resumed["checkpoints_found"] == ["checkpoint-3"]  # what the kill left
     for key in ("loss", "kd_loss", "ce_loss"):
         expected = logged(main["log_history"], key)
         got = {s: v for s, v in logged(resumed["log_history"], key).items() if s > 3}

@@ -1,12 +1,14 @@
 """A 2-process FSDP2 distillation run on CPU (gloo): the student under accelerate's `fsdp_version: 2`, the teacher
 sharded with FSDP2 on its own. Records what each rank holds, reads and computes into ``<out>/<mode>/rank<k>.json``.
 
-    fsdp2_worker.py <pair dir> <out> main           # evaluate, train 6 steps (checkpoints every 3), save the student
-    fsdp2_worker.py <pair dir> <out> resume <ckpt>  # resume main's checkpoint-3
-    fsdp2_worker.py <pair dir> <out> lora           # a LoRA student: adapter-only checkpoints
+    fsdp2_worker.py <pair dir> <out> main     # evaluate, train 6 steps (checkpoints every 3), save the student
+    fsdp2_worker.py <pair dir> <out> killed   # main's run, rank 1 killed (SIGKILL) at the end of step 4
+    fsdp2_worker.py <pair dir> <out> resume   # resume the killed run in its output dir (its newest complete checkpoint)
+    fsdp2_worker.py <pair dir> <out> lora     # a LoRA student: adapter-only checkpoints
 """
 
 import os
+import signal
 import sys
 
 import torch
@@ -57,6 +59,14 @@ class ShareRecorder(TrainerCallback):
         self.rec.setdefault("teacher_during_train", []).append(shares(self.trainer.teacher.module))
 
 
+class KillRankOne(TrainerCallback):
+    """SIGKILL rank 1 at the end of step 4: checkpoint-3 is complete, step 4 is lost, as when a node dies."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 4 and args.process_index == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main():
     pair, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     rank = int(os.environ["RANK"])
@@ -69,18 +79,22 @@ def main():
         from peft import LoraConfig
 
         extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    args = DistillationConfig(**settings(out, mode, eval_strategy="steps", eval_steps=3), **FSDP2)
+    run = "killed" if mode == "resume" else mode  # the resumed run trains on in the killed run's output dir
+    args = DistillationConfig(**settings(out, run, eval_strategy="steps", eval_steps=3), **FSDP2)
     trainer = DistillationTrainer(model=os.path.join(pair, "student"), teacher_model=os.path.join(pair, "teacher"),
                                   args=args, train_dataset=dataset, eval_dataset=dataset.select(range(8)),
                                   processing_class=tokenizer, **extra)
     trainer.add_callback(ShareRecorder(trainer, rec))
+    if mode == "killed":
+        trainer.add_callback(KillRankOne())
     rec["is_fsdp2"] = trainer.accelerator.is_fsdp2
     if mode == "main":
         try:
             trainer.evaluate()
         except ValueError as error:  # accelerate prepares an FSDP2 student only with its optimizer
             rec["eval_before_refused"] = str(error)
-    trainer.train(resume_from_checkpoint=sys.argv[4] if mode == "resume" else None)
+    rec["checkpoints_found"] = sorted(n for n in os.listdir(args.output_dir) if n.startswith("checkpoint-"))
+    trainer.train(resume_from_checkpoint=mode == "resume" or None)
     rec["log_history"] = trainer.state.log_history
     rec["student"] = shares(trainer.model)
     rec["teacher"] = shares(trainer.teacher.module)
