@@ -97,9 +97,12 @@ def test_evaluates_during_and_after_training_and_refuses_before_in_one_line(fsdp
 
 
 def test_saved_student_loads_with_from_pretrained_and_gives_the_trained_logits(fsdp2_runs):
+    """Checkpoints in FSDP2's sharded form (SHARDED_STATE_DICT: torch.distributed.checkpoint directories); save_model
+    writes the student whole (with that type the stock Trainer's save_model writes nothing)."""
     final = fsdp2_runs["dir"] / "main" / "final"
     checkpoint = fsdp2_runs["dir"] / "main" / "checkpoint-3"
-    assert (checkpoint / "trl_distill_complete.json").exists() and (checkpoint / "pytorch_model_fsdp.bin").exists()
+    assert (checkpoint / "trl_distill_complete.json").exists() and (checkpoint / "pytorch_model_fsdp_0").is_dir()
+    assert not (checkpoint / "model.safetensors").exists() and (final / "model.safetensors").exists()
     model = AutoModelForCausalLM.from_pretrained(final).eval()
     tokenizer = AutoTokenizer.from_pretrained(final)
     with torch.no_grad():
@@ -108,6 +111,7 @@ def test_saved_student_loads_with_from_pretrained_and_gives_the_trained_logits(f
 
 
 def test_lora_on_fsdp2_saves_an_adapter_only_checkpoint(fsdp2_runs):
+    """(In FSDP2's ZeRO-3-like mode, reshard_after_forward true, with accelerate's activation checkpointing.)"""
     checkpoint = fsdp2_runs["dir"] / "lora" / "checkpoint-3"
     assert (checkpoint / "adapter_model.safetensors").exists() and not (checkpoint / "model.safetensors").exists()
     state = torch.load(checkpoint / "pytorch_model_fsdp.bin", weights_only=True)

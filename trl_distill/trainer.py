@@ -235,6 +235,10 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         save_complete_checkpoint(self.context, super()._save_checkpoint, model, trial, self.output_dir_for(trial),
                                  self.run_record())
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        with fsdp2.whole_state_dict_for_save_model(self.accelerator, _internal_call):  # (FSDP2, sharded checkpoints)
+            super().save_model(output_dir, _internal_call)
+
     @property
     def loss_settings(self) -> LossSettings:
         """The loss's settings, from the arguments as they are now (a callback may change them between steps)."""

@@ -17,9 +17,11 @@ from transformers import AutoTokenizer, TrainerCallback
 from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.testing import synthetic_prompt_completion, tiny_run_settings, write_rank_record
 
-FSDP2 = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": False,
-                                               "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-                                               "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
+FSDP2 = {"fsdp_version": 2, "reshard_after_forward": False, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+         "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "state_dict_type": "SHARDED_STATE_DICT"}
+# the LoRA run: the ZeRO-3-like mode, accelerate's activation checkpointing, whole-model checkpoints
+FSDP2_LORA = {**FSDP2, "reshard_after_forward": True, "activation_checkpointing": True,
+              "state_dict_type": "FULL_STATE_DICT"}
 
 
 def settings(out: str, mode: str, **overrides) -> dict:
@@ -80,7 +82,8 @@ def main():
 
         extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     run = "killed" if mode == "resume" else mode  # the resumed run trains on in the killed run's output dir
-    args = DistillationConfig(**settings(out, run, eval_strategy="steps", eval_steps=3), **FSDP2)
+    args = DistillationConfig(**settings(out, run, eval_strategy="steps", eval_steps=3), fsdp="full_shard",
+                              fsdp_config=FSDP2_LORA if mode == "lora" else FSDP2)
     trainer = DistillationTrainer(model=os.path.join(pair, "student"), teacher_model=os.path.join(pair, "teacher"),
                                   args=args, train_dataset=dataset, eval_dataset=dataset.select(range(8)),
                                   processing_class=tokenizer, **extra)

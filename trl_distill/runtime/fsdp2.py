@@ -7,6 +7,7 @@ accelerate prepares every model with the one FSDP plugin of its Accelerator; the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -107,3 +108,20 @@ def refuse_evaluation_before_training(accelerator) -> None:
         raise ValueError("evaluate() before train() with an FSDP2 student: accelerate prepares an FSDP2 model only "
                          "together with its optimizer, which train() creates. Evaluate during training "
                          "(eval_strategy='steps') or after train(), or evaluate first with a DeepSpeed student.")
+
+
+@contextlib.contextmanager
+def whole_state_dict_for_save_model(accelerator, internal: bool):
+    """`save_model` writes the student whole (`model.safetensors`, what `from_pretrained` loads) also when the FSDP2
+    plugin's `state_dict_type` is `SHARDED_STATE_DICT`, with which the stock Trainer's `save_model` writes nothing
+    (TRL's scripts switch to `FULL_STATE_DICT` before it, as here). Checkpoints (`internal`) keep the plugin's type."""
+    plugin = accelerator.state.fsdp_plugin if is_fsdp2(accelerator) else None
+    given = getattr(plugin, "state_dict_type", None)
+    if internal or plugin is None or "FULL_STATE_DICT" in str(given):
+        yield
+        return
+    plugin.set_state_dict_type("FULL_STATE_DICT")
+    try:
+        yield
+    finally:
+        plugin.set_state_dict_type(given)
