@@ -255,12 +255,8 @@ def test_several_teachers_hold_the_sum_of_their_shards(capsys):
         for row in ("teacher_params", "teacher_step"):
             assert rows[row] == alone["8B"][setup]["rows"][row] + alone["7B"][setup]["rows"][row], (setup, row)
         for row in ("gather_buffers", "activations", "student_params", "optimizer"):
-            if (setup, row) != ("fsdp2", "gather_buffers"):
-                assert rows[row] == max(alone[t][setup]["rows"][row] for t in alone), (setup, row)
-        if setup == "fsdp2":  # one layer at a time (the larger's), each teacher's root gathered through the step
-            layers = {t: 2 * plan.decoder_layer(plan.spec_from_count(plan.parse_count(t))) * 2 for t in alone}
-            assert rows["gather_buffers"] == max(layers.values()) + sum(
-                alone[t]["fsdp2"]["rows"]["gather_buffers"] - layers[t] for t in alone)
+            assert rows[row] == max(alone[t][setup]["rows"][row] for t in alone), (setup, row)
+        if setup == "fsdp2":  # (DeepSpeed's estimators: its own setups only)
             continue
         assert result["deepspeed"]["teacher_model_states"] == pytest.approx(
             sum(alone[t][setup]["deepspeed"]["teacher_model_states"] for t in alone), abs=2)

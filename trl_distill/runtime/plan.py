@@ -316,17 +316,17 @@ def fsdp2_model_states(student: ModelSpec, teachers: tuple[ModelSpec, ...], s: S
     every layer stays gathered from its forward to its backward): its 1/N fp32 parameters (accelerate keeps the
     trained ones in fp32 under mixed precision; they are the optimizer's master copy), the whole model gathered in the
     run's dtype, 1/N fp32 gradients plus one layer's before its reduce-scatter, and the optimizer's moments on 1/N.
-    Each teacher: its 1/N rows; one layer gathered and the next prefetched; its embeddings, gathered with its root
-    through the step (the lm_head is in `teacher_step`)."""
+    Each teacher: its 1/N rows; one group gathered and the next prefetched, a group being a decoder layer or its
+    (untied) input embeddings; the root (final norm, lm_head) is gathered through the step, in `teacher_step`."""
     b, n = DTYPE_BYTES[s.dtype], s.gpus
     shard = zero3_shard(student, n)
-    layer = max(decoder_layer(t) for t in teachers)
+    layer = max(max(decoder_layer(t), 0 if t.tied else t.vocab * t.hidden) for t in teachers)
     return {
         "teacher_params": sum(zero3_shard(t, n) for t in teachers) * b,
         "student_params": shard * 4 + student.params * b,
         "student_grads": shard * 4 + decoder_layer(student) * b,
         "optimizer": shard * (OPTIMIZER_BYTES[s.optimizer] - 4),
-        "gather_buffers": (2 * layer + sum(0 if t.tied else t.vocab * t.hidden for t in teachers)) * b,
+        "gather_buffers": 2 * layer * b,
     }
 
 

@@ -8,9 +8,9 @@ Those rows are filled with ``pread`` from their byte range in the ``.safetensors
 teacher uses (`zero3_loading`): a rank reads 1/N of the checkpoint and never holds the whole model.
 
 Inference only: with ``reshard_after_forward`` each layer's weights are gathered for its forward and freed after
-it. The root's own weights (embeddings, final norm, lm_head) stay gathered after a forward (FSDP2 keeps the root
-gathered for a backward that a frozen teacher never runs), which is where the loss reads the lm_head; `release_root`
-frees them once the step's losses are done.
+it, and so are the input embeddings (a group of their own unless tied to the lm_head). The root's own weights (final
+norm, lm_head) stay gathered after a forward, which is where the loss reads the lm_head; `release_root` frees them once
+the step's losses are done.
 """
 
 from __future__ import annotations
@@ -42,14 +42,18 @@ def layer_classes(model: nn.Module) -> set[type]:
 
 
 def shard(model: nn.Module, mesh, reshard_after_forward: bool = True) -> nn.Module:
-    """`fully_shard` each decoder layer, then the model (its root group: embeddings, norm, lm_head), over `mesh`. The
-    root stays gathered after a forward, for the loss to read the lm_head, until `release_root`."""
+    """`fully_shard` each decoder layer, the input embeddings (unless tied to the lm_head: a shared weight stays in
+    one group), then the model (its root group: final norm, lm_head), over `mesh`. The root stays gathered after a
+    forward, for the loss to read the lm_head, until `release_root`; the embeddings are freed after their forward."""
     from torch.distributed.fsdp import fully_shard
 
     classes = layer_classes(model)
     for module in list(model.modules()):
         if type(module) in classes:
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embeddings is not None and (head is None or head.weight is not embeddings.weight):
+        fully_shard(embeddings, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
     return model
 
