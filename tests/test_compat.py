@@ -376,3 +376,31 @@ def test_the_liger_call_passes_no_labels_and_refuses_another_signature_in_one_li
     message = str(refused.value)
     assert "\n" not in message and f"liger-kernel {compat.LIGER_CHECKED}" in message
     assert "Before.forward takes (student_input, student_weight, teacher_input, teacher_weight) and" in message
+
+
+def test_fsdp_on_cpu_processes_gives_the_state_what_accelerate_drops_on_cpu():
+    """accelerate 1.15 leaves a multi-CPU run `MULTI_CPU` without its FSDP plugin; the state gets FSDP, the plugin, its
+    mixed precision, and the process state's type (which a later `AcceleratorState()` copies back). Another type (one
+    process: `NO`; a GPU run: FSDP already) is left alone. (The 2-process FSDP2 tests run it for real.)"""
+    from types import SimpleNamespace
+
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    alone = SimpleNamespace(distributed_type=DistributedType.NO, mixed_precision="no", fsdp_plugin=None)
+    assert compat.fsdp_on_cpu_processes(SimpleNamespace(state=alone), plugin) is False
+    assert alone.distributed_type == DistributedType.NO and alone.fsdp_plugin is None
+    state = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, mixed_precision="bf16", fsdp_plugin=None)
+    shared = PartialState._shared_state
+    before = shared.get("distributed_type", "absent")
+    try:
+        assert compat.fsdp_on_cpu_processes(SimpleNamespace(state=state), plugin) is True
+        assert state.distributed_type == DistributedType.FSDP and state.fsdp_plugin is plugin
+        assert shared["distributed_type"] == DistributedType.FSDP
+        assert plugin.mixed_precision_policy.param_dtype == torch.bfloat16
+    finally:
+        if before == "absent":
+            shared.pop("distributed_type", None)
+        else:
+            shared["distributed_type"] = before
