@@ -141,3 +141,25 @@ def shared_characters_reward(prompts, completions, **columns) -> list[float]:
         wanted = set(reference)
         scores.append(sum(c in wanted for c in completion) / max(len(completion), 1))
     return scores
+
+
+def first_step_losses(student, teacher, rows: list[dict], temperature=2.0, alpha=0.5) -> dict:
+    """Each rank's per-token means of T²·KL_T(teacher ‖ student) and CE on its sampled rows, from both models' own
+    logits, averaged over the ranks (each rank's loss is its micro-batch's token mean; DeepSpeed and FSDP2 average
+    the ranks)."""
+    import torch
+
+    kd, ce = [], []
+    for row in rows:
+        ids, mask, labels = (torch.tensor(row[k]) for k in ("input_ids", "attention_mask", "labels"))
+        with torch.no_grad():
+            s = student(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+            t = teacher(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        target = labels[:, 1:]
+        keep = target != -100
+        s, t = s[keep], t[keep]
+        p_log, q_log = (t / temperature).log_softmax(-1), (s / temperature).log_softmax(-1)
+        kd.append(float((p_log.exp() * (p_log - q_log)).sum(-1).mean()) * temperature**2)
+        ce.append(float(torch.nn.functional.cross_entropy(s, target[keep])))
+    kd, ce = sum(kd) / len(kd), sum(ce) / len(ce)
+    return {"kd_loss": kd, "ce_loss": ce, "loss": alpha * kd + (1 - alpha) * ce}

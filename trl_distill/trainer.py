@@ -291,6 +291,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """`Trainer.evaluate`; with `eval_reward_funcs`, also the student's completions of the eval prompts, scored by
         the verifiers and by the teacher (`trl_distill.evaluation`)."""
+        fsdp2.refuse_evaluation_before_training(self.accelerator)  # before the student generates, unsharded
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
         dataset = self.eval_dataset[dataset] if isinstance(dataset, str) else dataset
         if self.args.eval_reward_funcs and dataset is not None and not isinstance(dataset, dict):

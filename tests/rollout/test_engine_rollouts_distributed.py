@@ -9,29 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.oracles import first_step_losses
 from trl_distill.testing import free_port, launch, read_rank_records
 
 WORKER = Path(__file__).parents[1] / "scripts" / "engine_rollout_worker.py"
 PROBE = "def probe(x):\n    return x + 1\n"
-
-
-def first_step_losses(student, teacher, rows: list[dict], temperature=2.0, alpha=0.5) -> dict:
-    """Each rank's per-token means of T²·KL_T(teacher ‖ student) and CE on its sampled rows, from both models' own
-    logits, averaged over the ranks (each rank's loss is its micro-batch's token mean; DeepSpeed averages ranks)."""
-    kd, ce = [], []
-    for row in rows:
-        ids, mask, labels = (torch.tensor(row[k]) for k in ("input_ids", "attention_mask", "labels"))
-        with torch.no_grad():
-            s = student(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-            t = teacher(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-        target = labels[:, 1:]
-        keep = target != -100
-        s, t = s[keep], t[keep]
-        p_log, q_log = (t / temperature).log_softmax(-1), (s / temperature).log_softmax(-1)
-        kd.append(float((p_log.exp() * (p_log - q_log)).sum(-1).mean()) * temperature**2)
-        ce.append(float(torch.nn.functional.cross_entropy(s, target[keep])))
-    kd, ce = sum(kd) / len(kd), sum(ce) / len(ce)
-    return {"kd_loss": kd, "ce_loss": ce, "loss": alpha * kd + (1 - alpha) * ce}
 
 
 # the order of the runs in the launch: the ZeRO-3 student last (its zero.Init leaves global state behind)

@@ -4,8 +4,8 @@ the teacher scores the student's own samples (its per-token NLL of them).
 The eval rows are cut into batches of `per_device_eval_batch_size` in order, and batch ``b`` goes to rank
 ``b % world``: a batch holds the same rows whatever the process count, and its samples come from a seed of its own
 (``seed``, batch, generation), so 2 processes log what 1 does. Every rank runs as many rounds as the busiest one
-(repeating its first batch, uncounted, when it has run out): generating from a ZeRO-3 model and scoring with a
-partitioned teacher are collective.
+(repeating its first batch, uncounted, when it has run out): generating from a ZeRO-3 or FSDP2 model and scoring
+with a partitioned teacher are collective.
 """
 
 from __future__ import annotations

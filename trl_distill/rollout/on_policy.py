@@ -3,8 +3,9 @@ ones the student (`lmbda`) or the teacher (`seq_kd`) samples for the same prompt
 dataset completions.
 
 The student/dataset choice is drawn once per optimizer step from ``(seed, step)`` alone, so every rank draws the
-same and a resumed run draws what the uninterrupted one did. Teacher sampling under ZeRO-3 runs with
-``synced_gpus=True``: every rank keeps taking part in the teacher's forward passes until all ranks are done.
+same and a resumed run draws what the uninterrupted one did. Sampling from a ZeRO-3 or FSDP2 model (a partitioned
+teacher, a ZeRO-3 or FSDP2 student) runs with ``synced_gpus=True``: every rank keeps taking part in its forward passes
+(collectives) until all ranks are done.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from ..data.batch import add_extras, extras_of, pop_extra
 from ..loss.rollout_correction import RolloutCorrection
 from ..loss.sampled_token import SampledTokenJob, SampledTokenSettings
+from ..runtime.fsdp2 import is_fsdp2
 from ..teacher.capabilities import SEQ_KD_REFUSAL, Samples, SamplingServer, ScoresSamples, required
 from .sampling import DATASET, STUDENT, Sampling, completion_source, seeded
 
@@ -226,8 +228,8 @@ class CompletionSampler:
             processes = run.num_processes
             if source == STUDENT:
                 model, context = run.accelerator.unwrap_model(run.wrapped), contextlib.nullcontext
-                plugin = run.deepspeed_plugin
-                synced = processes > 1 and plugin is not None and plugin.zero_stage == 3
+                plugin = run.deepspeed_plugin  # a ZeRO-3 or FSDP2 student's forward is collective
+                synced = processes > 1 and (plugin is not None and plugin.zero_stage == 3 or is_fsdp2(run.accelerator))
             else:
                 sampler = required(self.teacher, Samples, SEQ_KD_REFUSAL.format(self.teacher.describe()))
                 model, context, synced = sampler.generation(processes)

@@ -1,9 +1,10 @@
 """The student's weights as the rollout engine loads them: Hugging Face checkpoint names, full tensors.
 
-A plain or ZeRO-0/1/2 student holds each tensor whole. A ZeRO-3 student holds 1/N of each: a chunk of them is
-gathered (collectively, on every rank) only while it is being sent. A LoRA student is sent merged, base weight plus
-each active adapter's delta (`peft`'s `get_delta_weight`), computed beside the training weights, never folded into
-them (a merge and unmerge in place would leave rounding in the weights being trained).
+A plain or ZeRO-0/1/2 student holds each tensor whole. A ZeRO-3 student holds 1/N of each: a chunk of them is gathered
+(collectively, on every rank) only while it is being sent. An FSDP2 student holds each as a DTensor: its `full_tensor()`
+(collective too) is taken as the weight is built, one at a time. A LoRA student is sent merged, base weight plus each
+active adapter's delta (`peft`'s `get_delta_weight`), computed beside the training weights, never folded into them (a
+merge and unmerge in place would leave rounding in the weights being trained).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from ..compat import is_zero3_partitioned
 from ..model.fused_forward import gathered
+from ..runtime.fsdp2 import whole
 
 PEFT_PREFIX = "base_model.model."
 
@@ -54,7 +56,8 @@ def student_weights(model: torch.nn.Module) -> list[StudentWeight]:
         owner = name.rsplit(".", 1)[0].removesuffix(".base_layer")
         layer = lora_layers.get(owner) if name.endswith(".base_layer.weight") else None
         if layer is None:
-            weights.append(StudentWeight(clean, full_shape(param), param.dtype, (param,), lambda p=param: p.detach()))
+            weights.append(StudentWeight(clean, full_shape(param), param.dtype, (param,),
+                                         lambda p=param: whole(p.detach())))
         else:
             factors = tuple(p for n, p in layer.named_parameters() if ".lora_" in f".{n}")
             weights.append(StudentWeight(clean, full_shape(param), param.dtype, (param, *factors),
@@ -63,12 +66,13 @@ def student_weights(model: torch.nn.Module) -> list[StudentWeight]:
 
 
 def merged_weight(weight: torch.Tensor, layer) -> torch.Tensor:
-    """`weight` plus the deltas of `layer`'s active, unmerged adapters (as `peft` would merge them)."""
-    merged = weight.detach().clone()
+    """`weight` plus the deltas of `layer`'s active, unmerged adapters (as `peft` would merge them); FSDP2's DTensors
+    gathered whole (every rank computes the same deltas: collective)."""
+    merged = whole(weight.detach()).clone()
     if not getattr(layer, "merged", False) and not getattr(layer, "disable_adapters", False):
         for adapter in layer.active_adapters:
             if adapter in layer.lora_A:
-                merged += layer.get_delta_weight(adapter).to(merged.dtype)
+                merged += whole(layer.get_delta_weight(adapter)).to(merged.dtype)
     return merged
 
 

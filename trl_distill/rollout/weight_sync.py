@@ -1,11 +1,11 @@
 """The student's weights into the rollout engine, through vLLM's weight-transfer API, over gloo.
 
-The trainer's rank 0 and the server's workers form a gloo group of their own (rank 0 holds its TCPStore; the
-workers join as ranks 1..W when ``/init_weight_transfer_engine`` asks them). A sync is vLLM's round trip:
-``/pause`` (no request in flight), ``/start_weight_update``, ``/update_weights`` with the tensors' names, dtypes,
-shapes and chunking (answered once the workers have loaded everything) while rank 0 broadcasts each chunk as one
-flat tensor, ``/finish_weight_update`` with the version (the optimizer step), ``/resume``. Every rank walks the
-chunks (a ZeRO-3 student is gathered chunk by chunk); only rank 0 talks to the server. The worker side is
+The trainer's rank 0 and the server's workers form a gloo group of their own (rank 0 holds its TCPStore; the workers
+join as ranks 1..W when ``/init_weight_transfer_engine`` asks them). A sync is vLLM's round trip: ``/pause`` (no request
+in flight), ``/start_weight_update``, ``/update_weights`` with the tensors' names, dtypes, shapes and chunking (answered
+once the workers have loaded everything) while rank 0 broadcasts each chunk as one flat tensor,
+``/finish_weight_update`` with the version (the optimizer step), ``/resume``. Every rank walks the chunks (a ZeRO-3
+student is gathered chunk by chunk, an FSDP2 one weight by weight); only rank 0 talks to the server. The worker side is
 ``vllm_plugin/trl_distill_vllm/gloo_engine.py``.
 """
 

@@ -94,6 +94,11 @@ def turn_on_for_cpu(accelerator, args) -> bool:
     return compat.fsdp_on_cpu_processes(accelerator, plugin)
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` whole: an FSDP2 DTensor's `full_tensor()` (collective: every rank calls it), any other as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def world_mesh(accelerator):
     """A 1-D device mesh over every process (the teacher's own: it shards over all ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
