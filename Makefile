@@ -13,9 +13,13 @@ $(BIN)/python:
 # torch is installed first, pinned, so pip takes the CPU build (on this project's machines it lies on disk)
 # instead of a multi-GB CUDA build. Elsewhere: make TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_PIP_ARGS ?=
+# Then DeepSpeed's CPU comm op, which an environment's first process group otherwise compiles (half a minute on 2
+# cores, in the suite several times over: each worker's shared ranks and the tests with a build directory of their
+# own start from a copy of this environment's ops), built as a user would before a first launch: `trl-distill build-ops`.
 setup: $(BIN)/python
 	$(BIN)/python -m pip install --quiet $(TORCH_PIP_ARGS) "torch==2.13.0"
 	$(BIN)/python -m pip install --quiet -e ".[dev]" -c tested-versions.txt
+	$(BIN)/trl-distill build-ops
 
 quickstart: setup
 	$(BIN)/python examples/quickstart.py

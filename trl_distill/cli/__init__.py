@@ -10,6 +10,7 @@
     trl-distill vllm-serve --model STUDENT --port 8000              # the student's rollout server, then:
     trl-distill --lmbda 1 --use_vllm --vllm_server_port 8000 [the training flags]   # on-policy, vLLM samples
     trl-distill report OUT                                          # OUT/report.png and report.md: the curves
+    trl-distill build-ops                                           # DeepSpeed's comm op, before the first launch
 
 Runs under `accelerate launch --config_file configs/...yaml`, `torchrun` and plain `python -m trl_distill`. Every
 command parses dataclasses with transformers' `HfArgumentParser` (TRL's `TrlParser` for training, so every
@@ -27,7 +28,7 @@ __all__ = ["build_trainer", "main", "make_parser"]
 
 # `trl-distill NAME ...`: the tools beside training, each a module of this package with `main(argv)`
 SUBCOMMANDS = {"merge": "merge", "plan": "plan", "cache-teacher": "cache_teacher", "vllm-serve": "vllm_serve",
-               "report": "report"}
+               "report": "report", "build-ops": "build_ops"}
 
 
 def main(argv: list[str] | None = None) -> None:
