@@ -110,8 +110,18 @@ def test_saved_student_loads_with_from_pretrained_and_gives_the_trained_logits(f
     assert torch.allclose(logits, torch.tensor(fsdp2_runs["main"][0]["final_logits"]), atol=1e-5)
 
 
+def test_the_teacher_runs_once_per_optimizer_step(fsdp2_runs):
+    """Gradient accumulation 2 (the LoRA run): the teacher's first layer runs, and so is gathered, once per optimizer
+    step, as without accumulation (the main run). Step 1 adds the start-up logits check's two forwards (fused, own
+    logits); step 4 the evaluation at the end of step 3 (one batch per rank)."""
+    for mode in ("lora", "main"):
+        for rank in fsdp2_runs[mode]:
+            assert rank["teacher_layer_forwards"] == [1 + 2, 1, 1, 1 + 1, 1, 1], mode
+
+
 def test_lora_on_fsdp2_saves_an_adapter_only_checkpoint(fsdp2_runs):
-    """(In FSDP2's ZeRO-3-like mode, reshard_after_forward true, with accelerate's activation checkpointing.)"""
+    """(In FSDP2's ZeRO-3-like mode, reshard_after_forward true, with accelerate's activation checkpointing, and
+    gradient accumulation 2.)"""
     checkpoint = fsdp2_runs["dir"] / "lora" / "checkpoint-3"
     assert (checkpoint / "adapter_model.safetensors").exists() and not (checkpoint / "model.safetensors").exists()
     state = torch.load(checkpoint / "pytorch_model_fsdp.bin", weights_only=True)

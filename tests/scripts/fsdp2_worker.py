@@ -57,8 +57,18 @@ class ShareRecorder(TrainerCallback):
     def __init__(self, trainer, rec):
         self.trainer, self.rec = trainer, rec
 
+    def on_train_begin(self, args, state, control, **kwargs):  # (the teacher is prepared by now)
+        self.forwards = 0  # of the teacher's first layer: each one gathers it
+
+        def count(module, inputs):
+            self.forwards += 1
+
+        self.trainer.teacher.module.model.layers[0].register_forward_pre_hook(count)
+
     def on_step_end(self, args, state, control, **kwargs):
         self.rec.setdefault("teacher_during_train", []).append(shares(self.trainer.teacher.module))
+        self.rec.setdefault("teacher_layer_forwards", []).append(self.forwards)
+        self.forwards = 0
 
 
 class KillRankOne(TrainerCallback):
@@ -82,8 +92,9 @@ def main():
 
         extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     run = "killed" if mode == "resume" else mode  # the resumed run trains on in the killed run's output dir
-    args = DistillationConfig(**settings(out, run, eval_strategy="steps", eval_steps=3), fsdp="full_shard",
-                              fsdp_config=FSDP2_LORA if mode == "lora" else FSDP2)
+    accumulate = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2} if mode == "lora" else {}
+    args = DistillationConfig(**{**settings(out, run, eval_strategy="steps", eval_steps=3), **accumulate},
+                              fsdp="full_shard", fsdp_config=FSDP2_LORA if mode == "lora" else FSDP2)
     trainer = DistillationTrainer(model=os.path.join(pair, "student"), teacher_model=os.path.join(pair, "teacher"),
                                   args=args, train_dataset=dataset, eval_dataset=dataset.select(range(8)),
                                   processing_class=tokenizer, **extra)
