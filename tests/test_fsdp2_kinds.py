@@ -26,16 +26,16 @@ KEYS = ("loss", "kd_loss", "ce_loss")
 
 @pytest.fixture(scope="module")
 def moe_pair(tmp_path_factory) -> Path:
-    """A Mixtral teacher (hidden 32) and student (hidden 16), 4 experts, top-2, saved as `save_pretrained` writes them:
-    each expert's tensors apart."""
+    """A Mixtral teacher (hidden 32, 3 experts: 2 on rank 0, 1 on rank 1) and student (hidden 16, 4 experts), top-2,
+    saved as `save_pretrained` writes them: each expert's tensors apart."""
     directory = tmp_path_factory.mktemp("fsdp2_moe")
     tokenizer = build_tokenizer()
-    for seed, (size, hidden) in enumerate((("teacher", 32), ("student", 16))):
+    for seed, (size, hidden, experts) in enumerate((("teacher", 32, 3), ("student", 16, 4))):
         ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                    bos_token_id=tokenizer.bos_token_id)
         config = AutoConfig.for_model("mixtral", vocab_size=len(tokenizer), hidden_size=hidden,
                                       intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=2,
-                                      num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, **ids)
+                                      num_key_value_heads=1, num_local_experts=experts, num_experts_per_tok=2, **ids)
         torch.manual_seed(seed)
         AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory / size)
         tokenizer.save_pretrained(directory / size)
@@ -126,11 +126,16 @@ def test_a_teacher_reading_its_own_prompt_is_sharded_with_fsdp2(kinds):
 
 
 def test_an_moe_teacher_sharded_with_fsdp2_beside_an_moe_student_with_its_router_loss(kinds):
-    """Each rank reads the rows of each fused expert parameter (``[E, ...]``, 2 of the 4 experts) from the
-    checkpoint's per-expert tensors: gathered, every parameter equals transformers' own load of it."""
+    """Each rank reads the rows of each fused expert parameter (``[E, ...]``: experts 0-1 on rank 0, 2 on rank 1)
+    from the checkpoint's per-expert tensors, and nothing else: gathered, every parameter equals transformers' own
+    load of it."""
     ranks = kinds["moe"]
-    assert_each_teacher_half_on_each_rank(ranks, ["teacher"])
+    shares = [rank["teachers"]["teacher"] for rank in ranks]
+    assert all(share["all_sharded"] for share in shares)
+    assert sum(share["held"] for share in shares) == shares[0]["total"]
+    assert shares[0]["held"] > shares[1]["held"]  # (the other parameters split evenly)
     for rank in ranks:
+        assert rank["teacher_bytes_read"] == rank["teachers"]["teacher"]["held"]  # fp32 on disk and in memory
         rows = rank["expert_rows"]
         assert len(rows["fused"]) == 4 and rows["max"] == 0.0, rows  # gate_up_proj and down_proj of 2 layers
         assert len(rank["own_router_losses"]) == 3
