@@ -18,7 +18,7 @@ import os
 import sys
 
 import torch
-from fsdp2_worker import FSDP2, count_teacher_reads, shares  # (tests/scripts/)
+from fsdp2_worker import count_teacher_reads, shares  # (tests/scripts/)
 from transformers import AutoTokenizer
 
 from trl_distill import DistillationConfig, DistillationTrainer, compat
@@ -30,8 +30,10 @@ ROWS = 16
 
 
 def fsdp2(layer: str) -> dict:
-    """fsdp2_worker's FSDP2 settings, wrapping the student's decoder layers `layer`."""
-    return {**FSDP2, "fsdp_config": {**FSDP2["fsdp_config"], "transformer_layer_cls_to_wrap": [layer]}}
+    """The student's FSDP2 settings (accelerate's), each of its decoder layers `layer` a group of its own."""
+    return {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": False,
+                                                  "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                                                  "transformer_layer_cls_to_wrap": [layer]}}
 
 
 def settings(out: str, mode: str, **overrides) -> dict:

@@ -149,7 +149,7 @@ def test_no_module_compares_a_kind_with_a_name():
     assert offenders == []
 
 
-def test_a_teachers_own_fsdp2_settings_are_checked_as_the_config_is_built_and_are_its_own(tiny_pair, tmp_path):
+def test_a_teachers_own_fsdp2_settings_are_checked_before_anything_loads_and_are_their_own(tiny_pair, tmp_path):
     """Several teachers beside an FSDP2 student: an entry's ``fsdp`` (as `teacher_fsdp_config`) shards that teacher
     only; a bad one, one on a cache, and an entry's ``deepspeed`` beside an FSDP student are one line each."""
     from trl_distill.runtime.fsdp2 import TeacherShardSettings
