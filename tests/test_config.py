@@ -35,6 +35,9 @@ def test_every_divergence_accepted(divergence):
         ({"beta": -0.1}, r"beta must be in \[0, 1\]"),
         ({"skew_alpha": 2.0}, r"skew_alpha must be in \[0, 1\]"),
         ({"loss_chunk_size": 0}, "loss_chunk_size must be a positive integer"),
+        ({"teacher_fsdp_config": {"reshard": True}}, r"teacher_fsdp_config: unknown key\(s\) reshard; the keys are"),
+        ({"teacher_fsdp_config": '{"dtype": "int8"}'}, "teacher_fsdp_config: dtype must be one of bf16, fp16, fp32"),
+        ({"teacher_fsdp_config": "./nowhere.json"}, "teacher_fsdp_config='./nowhere.json' is neither a JSON object"),
     ],
 )
 def test_bad_values_fail_with_the_fix(kwargs, message):

@@ -37,6 +37,10 @@ def check_each_field(args) -> None:
         raise ValueError(f"teacher_batch_size must be a positive integer or None, got {args.teacher_batch_size}.")
     if args.loss_chunk_size is not None and args.loss_chunk_size < 1:
         raise ValueError(f"loss_chunk_size must be a positive integer or None, got {args.loss_chunk_size}.")
+    if args.teacher_fsdp_config is not None:  # read as the teacher attaches, after the student loaded: named here
+        from .runtime.fsdp2 import TeacherShardSettings
+
+        TeacherShardSettings.parse(args.teacher_fsdp_config)
 
 
 def _check_counts(args) -> None:

@@ -147,3 +147,27 @@ def test_no_module_compares_a_kind_with_a_name():
                     isinstance(side, ast.Constant | ast.Tuple | ast.List | ast.Set) for side in sides):
                 offenders.append(f"{path.name}:{node.lineno}")
     assert offenders == []
+
+
+def test_a_teachers_own_fsdp2_settings_are_checked_before_anything_loads_and_are_their_own(tiny_pair, tmp_path):
+    """Several teachers beside an FSDP2 student: an entry's ``fsdp`` (as `teacher_fsdp_config`) shards that teacher
+    only; a bad one, one on a cache, and an entry's ``deepspeed`` beside an FSDP student are one line each."""
+    from trl_distill.runtime.fsdp2 import TeacherShardSettings
+
+    entry = {"name": "b", "model": tiny_pair["teacher"], "fsdp": {"reshard_after_forward": False}}
+    args = config(tmp_path, teachers=["a=/m", entry], teacher_combine="sum")
+    assert resolve(args).teachers[1].fsdp == {"reshard_after_forward": False}
+    assert json.loads(args.to_json_string())["teachers"][1] == entry
+    with pytest.raises(ValueError, match=r"^teachers: 'b': fsdp: unknown key\(s\) reshard; the keys are dtype, "
+                                         r"reshard_after_forward\.$"):
+        resolve(config(tmp_path, teachers=["a=/m", {**entry, "fsdp": {"reshard": True}}]))
+    with pytest.raises(ValueError, match=r"^teachers: 'c' has `fsdp` settings, which shard a teacher model"):
+        resolve(config(tmp_path, teachers=["a=/m", {"name": "c", "cache": "/c", "fsdp": {}}]))
+    teacher = LiveTeacher(tiny_pair["teacher"])
+    assert teacher.shard_settings() == TeacherShardSettings()
+    teacher.fsdp_config, teacher.deepspeed_config, teacher.label = entry["fsdp"], {"zero_optimization": {}}, "teacher b"
+    assert teacher.shard_settings() == TeacherShardSettings(reshard_after_forward=False)
+    fsdp2 = config(tmp_path, fsdp="full_shard", fsdp_config={"fsdp_version": 2})
+    with pytest.raises(ValueError, match=r"^teacher b's `deepspeed` is set beside an FSDP student, whose teachers are "
+                                         r"sharded with FSDP2: give its settings as teacher b's `fsdp` instead\.$"):
+        teacher.plugin(fsdp2, None)

@@ -102,14 +102,22 @@ def router_aux_loss(model: nn.Module, router_logits, attention_mask: torch.Tenso
     router logits: its module's `load_balancing_loss_func` with the expert count, top-k and attention mask it passes
     (transformers 5.24; `moe_aux_refusal` says first which models cannot, and tests hold it to the model's own
     `aux_loss`)."""
-    module = sys.modules[type(model).__module__]
+    module = sys.modules[own_class(model).__module__]
     return module.load_balancing_loss_func(router_logits, model.num_experts, model.num_experts_per_tok,
                                            attention_mask)
 
 
+def own_class(model: nn.Module) -> type:
+    """The model's own class: the one FSDP2's `fully_shard` derives the class of a sharded module from
+    (``FSDP<name>``, defined in torch's module, not the model's)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
+
+
 def moe_aux_refusal(model: nn.Module) -> str | None:
     """Why `router_aux_loss` cannot take `model`'s load-balancing loss from its backbone (None: it can)."""
-    module = sys.modules[type(model).__module__]
+    module = sys.modules[own_class(model).__module__]
     missing = [name for name in ("num_experts", "num_experts_per_tok") if not hasattr(model, name)]
     if not hasattr(module, "load_balancing_loss_func") or missing:
         return (f"{type(model).__name__} computes no router load-balancing loss the distillation loss can take from "

@@ -27,7 +27,7 @@ from ..loss.sparse import top_k_teacher_signal
 from ..model.fused_forward import LossFeatures, add_fused_distillation_forward, gathered, hidden_size
 from ..model.logit_check import announce, probe_inputs, settle_logit_paths
 from ..runtime.deepspeed_config import build_teacher_config
-from ..runtime.fsdp2 import TeacherShardSettings, is_fsdp2, world_mesh
+from ..runtime.fsdp2 import TeacherShardSettings, is_fsdp2, requested_plugin, world_mesh
 from ..runtime.sequence_parallel import check_sharded_attention
 from ..runtime.validation import check_model_path, check_teacher_finite, check_tokenizers_match, check_weights_complete
 from .base import TeacherSource
@@ -85,6 +85,8 @@ class LiveTeacher(TeacherSource, OwnEngine, OwnVocabulary, StepHooks, LogitCheck
     """What the logit-path check calls it."""
     deepspeed_config = None
     """Its own DeepSpeed config (path, JSON string or dict); None: `args.teacher_deepspeed`, else derived."""
+    fsdp_config = None
+    """Its own FSDP2 settings beside an FSDP2 student (as `teacher_fsdp_config`); None: `args.teacher_fsdp_config`."""
     routes_own_rows = True  # routed among several: its forward runs on its own rows only
 
     def __init__(self, source: str | os.PathLike | PreTrainedModel, init_kwargs: dict | None = None, tokenizer=None):
@@ -147,6 +149,10 @@ class LiveTeacher(TeacherSource, OwnEngine, OwnVocabulary, StepHooks, LogitCheck
         if student_plugin is None:
             if args.teacher_deepspeed is not None or self.deepspeed_config is not None:
                 what = "`teacher_deepspeed`" if self.deepspeed_config is None else f"{self.label}'s `deepspeed`"
+                if requested_plugin(args) is not None:
+                    own = "`teacher_fsdp_config`" if self.deepspeed_config is None else f"{self.label}'s `fsdp`"
+                    raise ValueError(f"{what} is set beside an FSDP student, whose teachers are sharded with FSDP2: "
+                                     f"give its settings as {own} instead.")
                 raise ValueError(
                     f"{what} is set but the student does not use DeepSpeed. Pass `deepspeed=` (e.g. a "
                     "ZeRO-2 config) or launch with `accelerate launch --use_deepspeed`."
@@ -252,9 +258,9 @@ class LiveTeacher(TeacherSource, OwnEngine, OwnVocabulary, StepHooks, LogitCheck
         return model
 
     def shard_settings(self) -> TeacherShardSettings:
-        """Its FSDP2 settings beside an FSDP2 student (`teacher_fsdp_config`)."""
+        """Its FSDP2 settings beside an FSDP2 student: its own (`fsdp_config`), else `teacher_fsdp_config`."""
         given = self.context.args.teacher_fsdp_config if self.context is not None else None
-        return TeacherShardSettings.parse(given)
+        return TeacherShardSettings.parse(self.fsdp_config if self.fsdp_config is not None else given)
 
     def vocab_config(self, student_config):
         return self.config
@@ -339,6 +345,8 @@ class LiveTeacher(TeacherSource, OwnEngine, OwnVocabulary, StepHooks, LogitCheck
             rows = mine[step] if step < len(mine) else filler
             out = self._top_k_rows(columns, rows, top_k, temperature, f"cache row {rows.start}")
             records += out if step < len(mine) else []
+        if self.sharded:  # the forwards left its root group (embeddings, norm, lm_head) gathered
+            release_root(self.module)
         return records
 
     @torch.no_grad()

@@ -32,6 +32,8 @@ def _model(spec: TeacherSpec, context: BuildContext) -> LiveTeacher:
                             spec.init_kwargs or None)
     if spec.deepspeed is not None:
         source.deepspeed_config = spec.deepspeed
+    if spec.fsdp is not None:
+        source.fsdp_config = spec.fsdp
     return source
 
 

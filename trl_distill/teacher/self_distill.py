@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ..model.fused_forward import LossFeatures
+from ..runtime.fsdp2 import is_fsdp2
 from ..runtime.validation import check_teacher_finite
 from .base import TeacherSource
 from .capabilities import OwnRows, Samples, ScoresSamples
@@ -39,6 +40,7 @@ class SelfTeacher(TeacherSource, ScoresSamples, Samples, OwnRows):
     def __init__(self):
         self.peft_model: nn.Module | None = None
         self.module: nn.Module | None = None
+        self.runner: nn.Module | None = None  # what runs its forward: the base, or the FSDP2 student's root
 
     def describe(self) -> str:
         return "'self' (the student's base)"
@@ -48,6 +50,8 @@ class SelfTeacher(TeacherSource, ScoresSamples, Samples, OwnRows):
         if not hasattr(context.model, "disable_adapter"):
             raise ValueError("teacher 'self' needs a PEFT student; the student is not a PeftModel.")
         self.peft_model, self.module = context.model, context.model.get_base_model()
+        # An FSDP2 student's root group (embeddings, final norm) is gathered by the root's own forward: run that
+        self.runner = self.peft_model if is_fsdp2(context.accelerator) else self.module
 
     def generation(self, num_processes: int) -> tuple[nn.Module, object, bool]:
         """Sampling from the base: the PEFT model with its adapters disabled."""
@@ -63,7 +67,7 @@ class SelfTeacher(TeacherSource, ScoresSamples, Samples, OwnRows):
         try:
             # adapters off: a trained `modules_to_save` lm_head falls back to the original too
             with self.peft_model.disable_adapter():
-                return self.module(**model_inputs, fused_distillation=as_is, loss_positions=positions)
+                return self.runner(**model_inputs, fused_distillation=as_is, loss_positions=positions)
         finally:
             self.module.train(was_training)
 

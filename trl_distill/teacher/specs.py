@@ -4,8 +4,9 @@
 An entry is ``"NAME=SOURCE"`` (the command line, a recipe's list) or a dict (Python, a recipe). SOURCE is a path or
 hub id (a live teacher: its own ZeRO-3 plugin under DeepSpeed), ``cache:DIR`` (a teacher cache written by
 `trl-distill cache-teacher`) or an ``http(s)://`` URL (a vLLM server of the teacher). A dict has ``name`` and one of
-``model`` / ``cache`` / ``server``, and may add ``deepspeed`` (that teacher's own DeepSpeed config),
-``init_kwargs`` (its `from_pretrained` keyword arguments) and ``served_model`` (the server's model name).
+``model`` / ``cache`` / ``server``, and may add ``deepspeed`` (that teacher's own DeepSpeed config), ``fsdp`` (its
+own FSDP2 settings beside an FSDP2 student, as `teacher_fsdp_config`), ``init_kwargs`` (its `from_pretrained` keyword
+arguments) and ``served_model`` (the server's model name).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ COMBINE = ("route", "mixture", "sum")
 """How several teachers' signals make one loss (`loss.combined`)."""
 TEACHER_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 """What a teacher may be called (it names the teacher in the routing column, the logs and `--dataset_name`)."""
-_KEYS = {"name", "model", "cache", "server", "served_model", "deepspeed", "init_kwargs"}
+_KEYS = {"name", "model", "cache", "server", "served_model", "deepspeed", "fsdp", "init_kwargs"}
 SINGLE = "teacher"
 """The name of a run's one teacher (given by the single-teacher flags), as a spec."""
 
@@ -37,6 +38,7 @@ class TeacherSpec:
     server: str | None = None
     served_model: str | None = None
     deepspeed: dict | str | None = None
+    fsdp: dict | str | None = None
     init_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -87,6 +89,16 @@ def _checked(spec: TeacherSpec) -> TeacherSpec:
     if not TEACHER_NAME.fullmatch(spec.name):
         raise ValueError(f"teachers: the name {spec.name!r} must be letters, digits, '_', '.' or '-' (it names the "
                          "teacher in the routing column and in the logs).")
+    if spec.fsdp is not None:
+        from ..runtime.fsdp2 import TeacherShardSettings
+
+        if not spec.model:
+            raise ValueError(f"teachers: {spec.name!r} has `fsdp` settings, which shard a teacher model; a cache or "
+                             "a server has nothing to shard. Drop its `fsdp`.")
+        try:
+            TeacherShardSettings.parse(spec.fsdp)
+        except ValueError as error:
+            raise ValueError(f"teachers: {spec.name!r}: {error}".replace("teacher_fsdp_config", "fsdp")) from None
     return spec
 
 
