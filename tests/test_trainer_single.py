@@ -103,6 +103,16 @@ def test_sft_config_is_converted_and_other_args_refused(tiny_pair, tmp_path):
                             train_dataset=synthetic_prompt_completion(8))
 
 
+def test_teacher_fsdp_config_without_an_fsdp2_student(tiny_pair, tmp_path):
+    with pytest.raises(ValueError, match="^`teacher_fsdp_config` is set but the student does not use FSDP2"):
+        DistillationTrainer(
+            tiny_pair["student"], tiny_pair["teacher"],
+            args=make_config(tmp_path, teacher_fsdp_config={"reshard_after_forward": True}),
+            train_dataset=synthetic_prompt_completion(8),
+            processing_class=AutoTokenizer.from_pretrained(tiny_pair["tokenizer"]),
+        )
+
+
 def test_teacher_deepspeed_without_student_deepspeed(tiny_pair, tmp_path):
     with pytest.raises(ValueError, match="student does not use DeepSpeed"):
         DistillationTrainer(

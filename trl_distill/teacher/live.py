@@ -269,6 +269,11 @@ class LiveTeacher(TeacherSource, OwnEngine, OwnVocabulary, StepHooks, LogitCheck
         """Its dtype follows the student's unless `teacher_model_init_kwargs` names one; its tokenizer must map tokens
         to the student's ids; the once-per-step pass gets the run."""
         super().attach(context)
+        if not is_fsdp2(context.accelerator) and (self.fsdp_config or context.args.teacher_fsdp_config) is not None:
+            what = "`teacher_fsdp_config`" if self.fsdp_config is None else f"{self.label}'s `fsdp`"
+            raise ValueError(f"{what} is set but the student does not use FSDP2. Launch with an FSDP2 config (e.g. "
+                             "configs/accelerate/fsdp2_student_fsdp2_teacher.yaml, or fsdp_config={'fsdp_version': 2}) "
+                             "or drop it.")
         if not {"dtype", "torch_dtype"} & set(self.init_kwargs):  # (held whole beside a DeepSpeed student: the
             # dtype its ZeRO-3 engine would have cast it to; sharded beside an FSDP2 student: its own, else the
             # student's mixed precision)
