@@ -77,6 +77,10 @@ def scenario(mode: str, paths: dict) -> tuple[dict, dict]:
 def trainer_for(out: str, mode: str, paths: dict, **args) -> DistillationTrainer:
     """The scenario's trainer; `args`: its DistillationConfig arguments beyond `settings` (FSDP2's, or a batch)."""
     kwargs, extra = scenario(mode, paths)
+    if "fsdp" not in args and "teachers" in extra:  # the one-process reference: an entry's own FSDP2 settings are
+        # refused without an FSDP2 student, and change no value
+        extra["teachers"] = [{k: v for k, v in t.items() if k != "fsdp"} if isinstance(t, dict) else t
+                             for t in extra["teachers"]]
     kwargs["processing_class"] = AutoTokenizer.from_pretrained(kwargs["processing_class"])
     config = DistillationConfig(**{**settings(out, mode, **extra), **args})
     return DistillationTrainer(args=config, train_dataset=synthetic_prompt_completion(ROWS), **kwargs)
