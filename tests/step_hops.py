@@ -1,10 +1,10 @@
 """How far a reader jumps to follow one training step: the step's hops, counted by running it.
 
-A hop is a call into one of the package's functions from another file: from the HF Trainer's loop into our override
-(an entry), or from one of our files into another (the nearest frame of ours up the stack is in another file). Calls
-inside one file are not hops (the reader is already there), nor are comprehensions, lambdas and property reads
-(an attribute's name is read, not followed). Each `file:function` counts
-once, however often the step calls it. `docs/architecture.md` draws the step with these counts.
+A hop is a call into one of the package's functions from another file: from the HF Trainer's code into ours (an
+entry: its loop into our override, its callback handler into our callback), or from one of our files into another
+(the nearest frame of ours up the stack is in another file). Calls inside one file are not hops (the reader is
+already there), nor are comprehensions, lambdas and property reads (an attribute's name is read, not followed). Each
+`file:function` counts once, however often the step calls it. `docs/architecture.md` draws the step with these counts.
 """
 
 from __future__ import annotations
@@ -25,6 +25,13 @@ def _ours(filename: str) -> str | None:
         return Path(filename).resolve().relative_to(PACKAGE).as_posix()
     except ValueError:
         return None
+
+
+def _is_trainer_loop(filename: str) -> bool:
+    """Whether the HF Trainer's (or TRL's) own code makes the call: its loop into our override, its callback handler
+    into our callback."""
+    parts = Path(filename).parts
+    return "transformers" in parts or "trl" in parts
 
 
 def _is_property(frame, name: str) -> bool:
@@ -65,9 +72,10 @@ class StepHops(TrainerCallback):
         if here is None or code.co_name.startswith("<") or _is_property(frame, code.co_name):
             return
         caller = frame.f_back
+        entry = caller is not None and _is_trainer_loop(caller.f_code.co_filename)
         while caller is not None and self._file(caller.f_code) is None:
             caller = caller.f_back
-        if caller is not None and self._file(caller.f_code) == here:
+        if caller is not None and self._file(caller.f_code) == here and not entry:
             return
         key = f"{here}:{code.co_qualname}"
         self.hops[key] = self.hops.get(key, 0) + 1

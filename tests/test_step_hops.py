@@ -39,7 +39,12 @@ def test_a_step_has_at_most_the_documented_hops(step, tiny_pair, tmp_path):
                                   processing_class=AutoTokenizer.from_pretrained(tiny_pair["tokenizer"]),
                                   callbacks=[hops])
     trainer.train()
-    assert "rollout/on_policy.py:CompletionSampler.maybe_resample" in hops.hops  # the step was traced, loss and all
-    assert "loss/fused.py:features_loss" in hops.hops
+    assert "loss/fused.py:features_loss" in hops.hops  # the step was traced, loss and all
+    assert "trainer.py:DistillationTrainer.get_batch_samples" in hops.hops  # (the Trainer's loop into ours)
+    sampler = {hop for hop in hops.hops if hop.startswith("rollout/")}
+    if STEPS[step]:  # the student's samples
+        assert "rollout/on_policy.py:CompletionSampler.maybe_resample" in sampler
+    else:  # an off-policy step does without the sampler (and the teacher runs once for the step)
+        assert sampler == set() and "teacher/step_pass.py:TeacherStepPass.run" in hops.hops, report(step, hops)
     most_hops, most_files = documented(step)
     assert len(hops.hops) <= most_hops and len(hops.files) <= most_files, report(step, hops)

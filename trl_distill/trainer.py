@@ -34,12 +34,12 @@ from .run_plan import resolve
 from .runtime import fsdp2, sequence_parallel, validation
 from .runtime.checkpoints import resume_point, run_record, save_complete_checkpoint, student_identity
 from .runtime.context import RunContext
-from .runtime.guards import Guards
+from .runtime.guards import Guards, StepFlags
 from .runtime.log_setup import setup_logging
 from .runtime.metrics import DistillMetrics, TrainingBounds
 from .runtime.process_setup import prepare_process
 from .runtime.run_lock import refuse_if_locked, take_run_lock
-from .runtime.validation import StepFlags, check_dataset_not_empty, check_output_dir, run_inputs, shared_vocab_size
+from .runtime.validation import check_dataset_not_empty, check_output_dir, run_inputs, shared_vocab_size
 from .teacher import capabilities as can
 from .teacher import resolve_teacher
 from .teacher.live import STUDENT
@@ -134,6 +134,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
                 lambda examples: self.data_collator(examples), self.prepared_inputs, lambda: self.processing_class,
                 self.vocab_size, self.logit_paths, layouts=self.layouts, deferred=StepFlags(), plan=plan)
             self.teacher.attach(self.context)  # its fit checks
+            self.teacher_asks = can.StepCapabilities.of(self.teacher)  # what each step asks of it, asked once
             self.train_dataset = can.train_rows_of(self.teacher, self.train_dataset)  # e.g. a cache's row numbers
             sequence_parallel.check_sharded_attention(self.student, plan.parallelism, "student")  # rows split on ranks
             # the collators, composed once: SFT's (or the caller's) innermost, then the teacher kind's, then
@@ -348,27 +349,21 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
             num_items_in_batch = sequence_parallel.sharded_token_count(self.context, batch_samples, device,
                                                                        num_items_in_batch)
         self.measure_loss_tokens(batch_samples)
-        if (hooks := self.teacher.capability(can.StepHooks)) is not None:  # (the training loop is the only caller)
-            hooks.before_step(batch_samples)
+        if self.teacher_asks.hooks is not None:  # (the training loop is the only caller)
+            self.teacher_asks.hooks.before_step(batch_samples)
         return batch_samples, num_items_in_batch
 
     def measure_loss_tokens(self, batch_samples: list[dict]) -> None:
-        """Where every micro-batch's loss tokens are, for their losses and the teacher's step pass: as the collator
-        found them on the host, else measured together (one read of the device); not for a step whose completions
-        the sampler replaces."""
-        self.layouts.clear()
-        hosts = [pop_extra(b, "loss_layout") if isinstance(b, dict) else None for b in batch_samples]  # no model sees
+        """Where every micro-batch's loss tokens are (`LayoutMemo.measure_step`): not for a sampled step."""
         on_policy = self.run_plan.on_policy
-        if completion_source(on_policy.lmbda, on_policy.seq_kd, on_policy.seed, self.state.global_step) != DATASET:
-            return
-        batches = [self.prepared_inputs(b) for b in batch_samples]
-        if batches and all(isinstance(b, dict) and {"labels", "shift_labels"} & set(b) for b in batches):
-            self.layouts.start_step(batches, [loss_tokens(b)[1] for b in batches], hosts, self.context.deferred)
+        sampled = on_policy.samples and completion_source(on_policy.lmbda, on_policy.seq_kd, on_policy.seed,
+                                                          self.state.global_step) != DATASET
+        self.layouts.measure_step(batch_samples, self.prepared_inputs, sampled, self.context.deferred)
 
     # ---- On-policy / sequence-level KD: completions sampled by the student or the teacher ----
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        inputs, sampled = self.sampler.maybe_resample(inputs)
+        inputs, sampled = self.sampler.maybe_resample(inputs) if self.sampler.active else (inputs, False)
         if sampled:  # generated lengths differ from the dataset's: a per-micro-batch token mean
             num_items_in_batch = None
         return super().training_step(model, inputs, num_items_in_batch)
@@ -381,9 +376,10 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         (``router_aux_loss_coef``)."""
         args = self.args
         pop_extra(inputs, "loss_layout")  # (evaluation: where the loss tokens are is found below)
-        extras = can.popped(self.teacher, inputs)  # what the teacher's collator added; the student must not see it
-        correction = self.sampler.pop_correction(inputs)  # sampled by the rollout engine: its log-probs
-        sampled = self.sampler.objective_job(inputs, self.model.training)  # the sampled-token objective, if so
+        own = self.teacher_asks.batch  # what the teacher's collator added; the student must not see it
+        extras = None if own is None else own.pop_batch(inputs)
+        correction, sampled = (self.sampler.loss_job(inputs, self.model.training) if self.sampler.in_loss
+                               else (None, None))  # the rollout engine's log-probs; the sampled-token objective
         model_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
         target, mask = loss_tokens(inputs)
         # Sequence positions with a loss token in some row: the only ones either model projects (position t
@@ -400,9 +396,10 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
                           rows=layout.rows)  # inside the student's forward
         routed = {"output_router_logits": True} if self.aux_loss_enabled else {}  # the aux loss, same forward
         kd, ce, aux = model(**model_inputs, **routed, fused_distillation=loss_fn, loss_positions=keep)
-        if (hooks := self.teacher.capability(can.StepHooks)) is not None:
-            hooks.after_loss()
-        self.sampler.observe(correction, sampled)
+        if self.teacher_asks.hooks is not None:
+            self.teacher_asks.hooks.after_loss()
+        if correction is not None or sampled is not None:
+            self.sampler.observe(correction, sampled)
         if args.kd_temperature_scaling:
             kd = kd * args.temperature**2
         loss = args.alpha * kd + (1.0 - args.alpha) * ce
@@ -421,9 +418,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         if num_items_in_batch is None and self.model.training:
             # a per-micro-batch mean: the Trainer divides the loss by the accumulation steps; log alike
             kd, ce = kd / self.current_gradient_accumulation_steps, ce / self.current_gradient_accumulation_steps
-        self.metrics.record_teachers(kd, self.teacher.capability(can.OwnMetrics))  # several teachers: each one's
         self.metrics.record(kd, ce, target.shape[0], loss, on_policy=self.model.training and self.sampler.on_policy,
-                            aux=aux)  # last: at a step's last micro-batch the guards read its checks and totals
+                            aux=aux, teachers=self.teacher_asks.metrics)  # (the guards read the step's checks)
         if return_outputs:
             return loss, {"kd_loss" if sampled is None else "policy_loss": kd.detach(), "ce_loss": ce.detach(),
                           **({} if aux is None else {"aux_loss": aux.detach()})}
@@ -442,6 +438,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.model.training and "loss" in logs:  # `kd_loss`, `ce_loss`, the diagnostics, reduced like `loss`
             self.metrics.log_into(logs)
-            self.sampler.log_into(logs, self.accelerator, self.args.device)  # the sampled completions' statistics
+            if self.sampler.active:  # the sampled completions' statistics
+                self.sampler.log_into(logs, self.accelerator, self.args.device)
             self.guards.check_collapse(logs)  # on the same numbers on every rank
         super().log(logs, start_time)

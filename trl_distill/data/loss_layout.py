@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .batch import add_extras
+from .batch import add_extras, loss_tokens, pop_extra
 
 
 @dataclass(frozen=True)
@@ -163,10 +163,22 @@ class LayoutMemo:
         self._step: list[tuple[dict, LossLayout]] = []
         self._union: tuple[list[dict], StepLayout] | None = None
 
+    def measure_step(self, batch_samples: list, prepared, sampled: bool, flags=None) -> None:
+        """Where every micro-batch of an optimizer step has its loss tokens, for their losses and the teacher's step
+        pass (`start_step`), from the `batch_samples` as fetched (`prepared`: the Trainer's input preparation);
+        each one's host labels taken off it. Nothing for a step whose completions the sampler replaces
+        (`sampled`)."""
+        hosts = [pop_extra(b, "loss_layout") if isinstance(b, dict) else None for b in batch_samples]  # no model sees
+        batches = [] if sampled else [prepared(b) for b in batch_samples]
+        if batches and all(isinstance(b, dict) and {"labels", "shift_labels"} & set(b) for b in batches):
+            self.start_step(batches, [loss_tokens(b)[1] for b in batches], hosts, flags)
+        else:
+            self.clear()
+
     def start_step(self, batches: list[dict], masks: list[Tensor], hosts: list | None = None, flags=None) -> None:
         """Measure the step's micro-batches (`masks`: their loss-token masks) at once; forget the last step's. The
         collator's host labels (`hosts`: each batch's `loss_layout`, taken off it) when every batch has them and they
-        fit, each checked on the device against its mask into `flags` (a `runtime.validation.StepFlags`); else one
+        fit, each checked on the device against its mask into `flags` (a `runtime.guards.StepFlags`); else one
         read of the device."""
         self.clear()
         hosts = [None if h is None else HostLayout.of(*h) for h in hosts or [None] * len(batches)]

@@ -94,7 +94,7 @@ class EngineRollouts:
             self.micro = (step, micro + 1)
             rank = run.accelerator.process_index
             seeds = [row_seed(args.seed + self.salt, step, rank, micro, row) for row in range(len(prompts))]
-            sampling = Sampling.from_args(args)
+            sampling = run.plan.on_policy.sampling  # training's, as HF generate's (`CompletionSampler.sample`)
             counted = True
         else:
             seeds = [row_seed(sampling.seed, 0, 0, 0, row) for row in range(len(prompts))]

@@ -253,6 +253,17 @@ class CompletionSampler:
             self.teacher_engine = EngineRollouts(self.context, server, syncs=False, salt=7919)
         return self.teacher_engine if server is not None else None
 
+    @property
+    def in_loss(self) -> bool:
+        """Whether a training batch may carry anything of the sampler's for the loss: sampled completions, the rollout
+        engine's log-probs, the rows' task columns (an off-policy run's batches carry none)."""
+        return self.plan.samples or self.engine is not None or self.task_rewards is not None
+
+    def loss_job(self, inputs: dict, training: bool) -> tuple[RolloutCorrection | None, SampledTokenJob | None]:
+        """What one micro-batch's loss takes of the sampler, off the batch: the engine's log-probs of its sampled
+        tokens (`pop_correction`) and the sampled-token objective's job (`objective_job`)."""
+        return self.pop_correction(inputs), self.objective_job(inputs, training)
+
     def pop_correction(self, inputs: dict) -> RolloutCorrection | None:
         """The engine's log-probs of a sampled batch, for the loss to measure (and, if asked, correct) the gap."""
         logprobs = pop_extra(inputs, "rollout_logprobs")

@@ -40,7 +40,7 @@ class RunContext:
     layouts: Any = None
     """The step's loss-token layouts, measured as its batches are fetched (`data.loss_layout.LayoutMemo`)."""
     deferred: Any = None
-    """What the step found not finite, read once before its last backward (`runtime.validation.StepFlags`)."""
+    """What the step found not finite, read once before its last backward (`runtime.guards.StepFlags`)."""
     plan: Any = None
     """The run's `run_plan.RunPlan`: its arguments' typed parts, as resolved once."""
 

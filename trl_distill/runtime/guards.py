@@ -7,6 +7,10 @@
   step, is a warning
   (a wrong teacher, or data it was not trained for).
 
+What a step finds not finite (the teacher's outputs, `check_teacher_finite`; the collator's loss-token indices) waits
+on the device in the run's `StepFlags` until the non-finite guard reads it all at once, before the step's last
+backward.
+
 Before any of them, a float setting that is NaN (or inf where it bounds nothing) is refused as the config is built
 (`check_finite_settings`), so that a non-finite loss is not the first sign of it.
 """
@@ -57,6 +61,43 @@ def check_guard_args(args) -> None:
     if args.collapse_min_entropy < 0 or args.collapse_patience < 1:
         raise ValueError(f"collapse_min_entropy must be >= 0 (0 turns the guard off) and collapse_patience >= 1, got "
                          f"{args.collapse_min_entropy} and {args.collapse_patience}.")
+
+
+class StepFlags:
+    """What one optimizer step found not finite, kept on the device until `Guards.check_step` reads it all at once
+    (a GPU waits for the host once per step, not once per check): the teacher's outputs, the student's losses."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        self.teacher_bad: torch.Tensor | None = None
+        self.where: str | None = None
+        self.losses: list[torch.Tensor] = []
+        self.layout_bad: torch.Tensor | None = None
+
+    def layout(self, bad: torch.Tensor) -> None:
+        """The collator's loss-token indices did not match the labels the step trains on (`data.loss_layout`)."""
+        self.layout_bad = bad
+
+    def teacher(self, bad: torch.Tensor, where: str) -> None:
+        self.teacher_bad = bad if self.teacher_bad is None else torch.maximum(self.teacher_bad, bad)
+        self.where = self.where or where
+
+
+def check_teacher_finite(teacher_hidden: torch.Tensor, accelerator, where: str, deferred=None) -> None:
+    """Stop every rank together, with one message, when the teacher's hidden states hold NaN or inf on any rank
+    (one scalar all-reduce per call; a lone failing rank would leave the others waiting in a collective). `where`
+    names the place in the run: ``"step 3"``, ``"cache row 128"``. With `deferred` (a `StepFlags`, in training) the
+    flag stays on the device and is read with the step's other checks, before its last backward (`Guards`)."""
+    bad = (~torch.isfinite(teacher_hidden)).any().to(torch.float32).reshape(1)
+    if deferred is not None:
+        deferred.teacher(bad, where)
+        return
+    if accelerator.num_processes > 1:
+        bad = accelerator.reduce(bad, reduction="sum")
+    if bad.item() > 0:
+        raise teacher_not_finite(where, int(bad.item()))
 
 
 class Guards:

@@ -74,10 +74,11 @@ class DistillMetrics:
             step % state.logging_steps == 0 or args.logging_first_step and step == 1)
 
     def record(self, kd: torch.Tensor, ce: torch.Tensor, batch_size: int, loss: torch.Tensor,
-               on_policy: bool = False, aux: torch.Tensor | None = None) -> None:
-        """After one micro-batch's loss: its terms (`aux`: an MoE student's router load-balancing loss), its
-        diagnostics (`on_policy`: the student sampled its completions) and, in training, the non-finite guard
-        (collective)."""
+               on_policy: bool = False, aux: torch.Tensor | None = None, teachers: OwnMetrics | None = None) -> None:
+        """After one micro-batch's loss: its terms (`aux`: an MoE student's router load-balancing loss; `teachers`:
+        several teachers' own parts, `record_teachers`), its diagnostics (`on_policy`: the student sampled its
+        completions) and, in training, the non-finite guard (collective)."""
+        self.record_teachers(kd, teachers)
         run, pending, self.pending = self.context, self.pending, None
         if self.scoring is not None:  # the generation eval's samples: their diagnostics only, apart from the loss's
             if pending is not None:

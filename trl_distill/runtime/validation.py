@@ -179,48 +179,11 @@ class TeacherNotFiniteError(ExternalError, FloatingPointError):
     """The teacher's outputs hold NaN or inf (its weights or its dtype), raised on every rank together."""
 
 
-def check_teacher_finite(teacher_hidden: torch.Tensor, accelerator, where: str, deferred=None) -> None:
-    """Stop every rank together, with one message, when the teacher's hidden states hold NaN or inf on any rank
-    (one scalar all-reduce per call; a lone failing rank would leave the others waiting in a collective). `where`
-    names the place in the run: ``"step 3"``, ``"cache row 128"``. With `deferred` (a `StepFlags`, in training) the
-    flag stays on the device and is read with the step's other checks, before its last backward (`Guards`)."""
-    bad = (~torch.isfinite(teacher_hidden)).any().to(torch.float32).reshape(1)
-    if deferred is not None:
-        deferred.teacher(bad, where)
-        return
-    if accelerator.num_processes > 1:
-        bad = accelerator.reduce(bad, reduction="sum")
-    if bad.item() > 0:
-        raise teacher_not_finite(where, int(bad.item()))
-
-
 def teacher_not_finite(where: str, ranks: int) -> TeacherNotFiniteError:
     return TeacherNotFiniteError(
         f"The teacher produced NaN or inf at {where} (on {ranks} rank(s)). Check its dtype (fp16 "
         "overflows: use bf16 or fp32 via `teacher_model_init_kwargs={'dtype': ...}`) and its weights."
     )
-
-
-class StepFlags:
-    """What one optimizer step found not finite, kept on the device until `Guards.check_step` reads it all at once
-    (a GPU waits for the host once per step, not once per check): the teacher's outputs, the student's losses."""
-
-    def __init__(self):
-        self.clear()
-
-    def clear(self) -> None:
-        self.teacher_bad: torch.Tensor | None = None
-        self.where: str | None = None
-        self.losses: list[torch.Tensor] = []
-        self.layout_bad: torch.Tensor | None = None
-
-    def layout(self, bad: torch.Tensor) -> None:
-        """The collator's loss-token indices did not match the labels the step trains on (`data.loss_layout`)."""
-        self.layout_bad = bad
-
-    def teacher(self, bad: torch.Tensor, where: str) -> None:
-        self.teacher_bad = bad if self.teacher_bad is None else torch.maximum(self.teacher_bad, bad)
-        self.where = self.where or where
 
 
 def shared_vocab_size(student_config, teacher_config, tokenizer) -> int:

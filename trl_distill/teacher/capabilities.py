@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from abc import abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 if TYPE_CHECKING:
@@ -223,6 +224,20 @@ def columns_of(teacher: TeacherSource) -> tuple[str, ...]:
     """The prepared-dataset columns `teacher`'s collator reads (none without a collator of its own)."""
     own = teacher.capability(OwnBatch)
     return () if own is None else tuple(own.columns)
+
+
+@dataclass(frozen=True)
+class StepCapabilities:
+    """What a training step asks of the teacher, asked once as the trainer is set up (a kind's capabilities are its
+    type's, fixed): its hooks around the micro-batches, its own batch, its own metrics (each None without)."""
+
+    hooks: StepHooks | None
+    batch: OwnBatch | None
+    metrics: OwnMetrics | None
+
+    @classmethod
+    def of(cls, teacher: TeacherSource) -> StepCapabilities:
+        return cls(teacher.capability(StepHooks), teacher.capability(OwnBatch), teacher.capability(OwnMetrics))
 
 
 def popped(teacher: TeacherSource, inputs: dict):

@@ -27,7 +27,7 @@ from ..loss.diagnostics import LossDiagnostics, observe_groups
 from ..loss.divergences import at_temperature
 from ..loss.settings import LossSettings
 from ..loss.signal import TeacherSignal
-from ..runtime.validation import check_teacher_finite
+from ..runtime.guards import check_teacher_finite
 from .base import TeacherBatch
 from .capabilities import OwnBatch, PreparesDataset, RoutesRows, StudentTokenizer, WritesCache, unrouted
 from .live import LiveTeacher

@@ -28,8 +28,9 @@ from ..model.fused_forward import LossFeatures, add_fused_distillation_forward, 
 from ..model.logit_check import announce, probe_inputs, settle_logit_paths
 from ..runtime.deepspeed_config import build_teacher_config
 from ..runtime.fsdp2 import TeacherShardSettings, is_fsdp2, requested_plugin, world_mesh
+from ..runtime.guards import check_teacher_finite
 from ..runtime.sequence_parallel import check_sharded_attention
-from ..runtime.validation import check_model_path, check_teacher_finite, check_tokenizers_match, check_weights_complete
+from ..runtime.validation import check_model_path, check_tokenizers_match, check_weights_complete
 from .base import TeacherSource
 from .capabilities import (
     LogitChecked,

@@ -8,7 +8,7 @@ from torch import nn
 
 from ..model.fused_forward import LossFeatures
 from ..runtime.fsdp2 import is_fsdp2
-from ..runtime.validation import check_teacher_finite
+from ..runtime.guards import check_teacher_finite
 from .base import TeacherSource
 from .capabilities import OwnRows, Samples, ScoresSamples
 from .live import as_is

@@ -28,7 +28,7 @@ from ..data.batch import loss_tokens
 from ..data.loss_layout import step_layout
 from ..model.fused_forward import gathered
 from ..rollout.sampling import DATASET, completion_source
-from ..runtime.validation import check_teacher_finite
+from ..runtime.guards import check_teacher_finite
 from .rows import DenseRows
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,8 @@ class TeacherStepPass:
         if not (run.args.teacher_step_pass and batch_samples):
             return False
         on_policy = run.plan.on_policy
-        if completion_source(on_policy.lmbda, on_policy.seq_kd, on_policy.seed, run.step) != DATASET:
+        if on_policy.samples and completion_source(on_policy.lmbda, on_policy.seq_kd, on_policy.seed,
+                                                   run.step) != DATASET:
             return False  # sampled completions: the teacher runs on them, micro-batch by micro-batch
         why = plain_rows(batch_samples, same_width=run.plan.parallelism.sequence_parallel_size > 1)
         if why is not None and not self._told and run.accelerator.is_main_process:
