@@ -210,6 +210,11 @@ class LMHead:
         return finalise_logits(raw.to(torch.promote_types(raw.dtype, torch.float32)), self.logit_scale, self.softcap)
 
 
+def features_only(features: LossFeatures) -> LossFeatures:
+    """The hook that has the fused forward hand back its features untouched (a teacher's forward)."""
+    return features
+
+
 def finalise_logits(logits: torch.Tensor, scale: float | None, softcap: float | None) -> torch.Tensor:
     """Apply a model's logit scale (multiply) and final-logit softcapping ``c·tanh(x / c)``."""
     if scale is not None:

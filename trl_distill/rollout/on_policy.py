@@ -155,6 +155,7 @@ class CompletionSampler:
 
     def __init__(self, context, teacher, plan: OnPolicyPlan, task_columns: list[str] | None = None):
         self.context, self.teacher = context, teacher  # the run, and its teacher (which scores sampled rows)
+        self.scorer = teacher.capability(ScoresSamples)  # asked once: a kind's capabilities are its type's
         self.plan = plan  # the run's on-policy plan: when, how and what is sampled
         self.task_rewards = None  # `task_reward_funcs`: the reward of each sampled completion
         if task_columns is not None:
@@ -237,8 +238,8 @@ class CompletionSampler:
                 new_batch, completions = sample_completions(model, batch, kwargs, tokenizer.pad_token_id, eos_ids,
                                                             synced, context)
             new_batch = {k: v.to(batch["input_ids"].device) for k, v in new_batch.items()}
-        if score and (scorer := self.teacher.capability(ScoresSamples)) is not None:
-            scorer.score_sampled(new_batch, batch)
+        if score and self.scorer is not None:
+            self.scorer.score_sampled(new_batch, batch)
         return new_batch, completions
 
     def _engine_for(self, source: str) -> EngineRollouts | None:

@@ -24,7 +24,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from ..compat import accelerator_state_kept, sequence_parallelism_hidden
 from ..data.batch import EXTRAS, loss_tokens
 from ..loss.sparse import top_k_teacher_signal
-from ..model.fused_forward import LossFeatures, add_fused_distillation_forward, gathered, hidden_size
+from ..model.fused_forward import LossFeatures, add_fused_distillation_forward, features_only, gathered, hidden_size
 from ..model.logit_check import announce, probe_inputs, settle_logit_paths
 from ..runtime.deepspeed_config import build_teacher_config
 from ..runtime.fsdp2 import TeacherShardSettings, is_fsdp2, requested_plugin, world_mesh
@@ -296,7 +296,7 @@ class LiveTeacher(TeacherSource, OwnEngine, OwnVocabulary, StepHooks, LogitCheck
                 "get_eval_dataloader() and get_test_dataloader(); call one of them (or train/evaluate/predict) "
                 "before computing a loss."
             )
-        return self.engine(**model_inputs, fused_distillation=as_is, loss_positions=positions)
+        return self.engine(**model_inputs, fused_distillation=features_only, loss_positions=positions)
 
     # ---- In training: the step pass, the logit check, the loss's teacher rows ----
 
@@ -304,8 +304,7 @@ class LiveTeacher(TeacherSource, OwnEngine, OwnVocabulary, StepHooks, LogitCheck
         return [(self.label, self.engine, self.module, model_inputs)]
 
     def before_step(self, batch_samples: list[dict]) -> None:
-        if self.step_pass.applies(batch_samples):
-            self.step_pass.run(batch_samples)
+        self.step_pass.before_step(batch_samples)
 
     def for_batch(self, model_inputs: dict, extras, mask: torch.Tensor, keep: torch.Tensor) -> DenseRows:
         run = self.context
@@ -387,11 +386,6 @@ class LiveTeacher(TeacherSource, OwnEngine, OwnVocabulary, StepHooks, LogitCheck
 
 def _model_inputs(batch: dict) -> dict:
     return {k: v for k, v in batch.items() if k not in ("labels", "shift_labels", EXTRAS)}
-
-
-def as_is(features: LossFeatures) -> LossFeatures:
-    """The fused forward's hook that hands the features back untouched (a teacher's forward)."""
-    return features
 
 
 def freeze(model: nn.Module) -> None:

@@ -6,12 +6,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..model.fused_forward import LossFeatures
+from ..model.fused_forward import LossFeatures, features_only
 from ..runtime.fsdp2 import is_fsdp2
 from ..runtime.guards import check_teacher_finite
 from .base import TeacherSource
 from .capabilities import OwnRows, Samples, ScoresSamples
-from .live import as_is
 from .rows import DenseRows
 from .support import TEACHER_PROMPT_REFUSAL
 
@@ -67,7 +66,7 @@ class SelfTeacher(TeacherSource, ScoresSamples, Samples, OwnRows):
         try:
             # adapters off: a trained `modules_to_save` lm_head falls back to the original too
             with self.peft_model.disable_adapter():
-                return self.runner(**model_inputs, fused_distillation=as_is, loss_positions=positions)
+                return self.runner(**model_inputs, fused_distillation=features_only, loss_positions=positions)
         finally:
             self.module.train(was_training)
 

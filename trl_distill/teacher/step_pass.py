@@ -86,6 +86,11 @@ class TeacherStepPass:
         self._held = contextlib.ExitStack()  # the teacher's lm_head, gathered for the step
         self._told = False
 
+    def before_step(self, batch_samples: list[dict]) -> None:
+        """The teacher over the step's micro-batches ahead of their losses (`run`), when it `applies` to them."""
+        if self.applies(batch_samples):
+            self.run(batch_samples)
+
     def applies(self, batch_samples: list[dict]) -> bool:
         """Whether this step's teacher runs ahead. The same on every rank: the teacher's collectives must match."""
         run = self.context
