@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .evaluation.checks import check_generation_eval_args
+from .evaluation.verifiers import as_names
 from .loss.settings import LossSettings
 from .rollout.engine_checks import check_engine_args
 from .rollout.objective_checks import check_objective_args
@@ -148,7 +149,7 @@ def _plan(args, teachers: tuple[TeacherSpec, ...], weights: tuple[float, ...] | 
     temperature = args.eval_temperature if args.eval_temperature is not None else \
         0.0 if args.num_generations_eval == 1 else args.generation_temperature
     evaluation = EvaluationPlan(
-        tuple(args.eval_reward_funcs or ()), args.num_generations_eval,
+        as_names(args.eval_reward_funcs), args.num_generations_eval,
         Sampling(args.eval_max_new_tokens or args.max_new_tokens, temperature, args.generation_top_p,
                  args.generation_top_k),
         args.eval_generation_prompts, args.eval_answer_column, args.eval_answer_pattern)
@@ -159,7 +160,7 @@ def _plan(args, teachers: tuple[TeacherSpec, ...], weights: tuple[float, ...] | 
         loss=LossSettings.of(args, None),
         alpha=args.alpha,
         on_policy=OnPolicyPlan(args.lmbda, args.seq_kd, Sampling.from_args(args), args.on_policy_objective,
-                               args.use_vllm, args.seed, TaskRewardPlan(tuple(args.task_reward_funcs or ()),
+                               args.use_vllm, args.seed, TaskRewardPlan(as_names(args.task_reward_funcs),
                                                                         args.eval_answer_column,
                                                                         args.eval_answer_pattern)),
         evaluation=evaluation,

@@ -252,7 +252,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         super()._set_signature_columns_if_needed()
         for column in can.columns_of(self.teacher):  # what the teacher's collator reads (a cache row, its own ids)
             self.keep_dataset_column(column)
-        if self.args.task_reward_funcs:  # the reward functions read the rows' own columns
+        if self.run_plan.on_policy.task_rewards.funcs:  # the reward functions read the rows' own columns
             for column in row_columns(self.train_dataset, can.columns_of(self.teacher)):
                 self.keep_dataset_column(column)
 
@@ -294,7 +294,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         fsdp2.refuse_evaluation_before_training(self.accelerator)  # before the student generates, unsharded
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
         dataset = self.eval_dataset[dataset] if isinstance(dataset, str) else dataset
-        if self.args.eval_reward_funcs and dataset is not None and not isinstance(dataset, dict):
+        if self.run_plan.evaluation.reward_funcs and dataset is not None and not isinstance(dataset, dict):
             self.prepare_teacher()
             training = self.model.training
             self.model.eval()

@@ -22,10 +22,8 @@ def refuse_own_text(args, teacher: bool) -> None:
 
 def check_objective_args(args) -> None:
     """One line for on-policy objective settings that cannot work, before anything loads."""
-    from ..evaluation.verifiers import resolve_verifiers
+    from ..evaluation.verifiers import as_names, resolve_verifiers
 
-    if isinstance(args.task_reward_funcs, str):  # one name given as a string (a recipe, the API)
-        args.task_reward_funcs = [args.task_reward_funcs]
     named = args.teacher_model_name_or_path or args.teacher_server or args.teachers or args.teacher_cache
     refuse_own_text(args, bool(named))  # (without a teacher, the teacher's refusal names it)
     if args.on_policy_objective not in OBJECTIVES:
@@ -52,5 +50,5 @@ def check_objective_args(args) -> None:
         raise ValueError(f"epsilon must be in [0, 1) and epsilon_high >= 0, got {args.epsilon} and "
                          f"{args.epsilon_high}.")
     if args.task_reward_funcs:
-        resolve_verifiers(args.task_reward_funcs, args.eval_answer_column or "answer", args.eval_answer_pattern,
-                          "task_reward_funcs")
+        resolve_verifiers(as_names(args.task_reward_funcs), args.eval_answer_column or "answer",
+                          args.eval_answer_pattern, "task_reward_funcs")
