@@ -25,7 +25,6 @@ from .loss.settings import LossSettings
 from .model.fused_forward import add_fused_distillation_forward
 from .model.logit_check import LogitPaths
 from .rollout.learning_rate import warn_learning_rate
-from .rollout.objective_checks import refuse_own_text
 from .rollout.on_policy import CompletionSampler, check_sampling_prompts, refuse_zero3_student_sampling
 from .rollout.sampling import DATASET, completion_source
 from .rollout.sampling import STUDENT as STUDENT_SAMPLES
@@ -97,9 +96,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
                                                      plan.teachers))
         refuse_if_locked(args)  # another live run holds output_dir: one line on every rank before anything loads
         check_dataset_not_empty(train_dataset, "train", "given")
-        refuse_own_text(args, teacher_model is not None)  # (a teacher the arguments name: as the config is built)
-        self.teacher = resolve_teacher(teacher_model, args, teachers=plan.teachers, weights=plan.teacher_weights,
-                                       student=model, processing_class=processing_class,
+        self.teacher = resolve_teacher(teacher_model, args, plan, student=model, processing_class=processing_class,
                                        eval_dataset=eval_dataset, peft_config=peft_config)  # the one teacher source
         train_dataset = can.routed_rows(self.teacher, train_dataset, eval_dataset)  # several teachers: each row's
         processing_class = processing_class or can.student_tokenizer_of(self.teacher)

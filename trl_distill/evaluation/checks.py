@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from ..runtime.sequence_parallel import sequence_parallel_size
 from .verifiers import as_names, resolve_verifiers
 
 
@@ -26,7 +27,7 @@ def check_generation_eval_args(args) -> None:
         raise ValueError("Generation-based evaluation (eval_reward_funcs) completes each eval row's prompt, and packed "
                          "eval rows have none of their own: set padding_free=False and, with packing, eval_packing="
                          "False (training may stay packed).")
-    if getattr(args, "sequence_parallel_size", 1) > 1:
+    if sequence_parallel_size(args) > 1:
         raise ValueError("Generation-based evaluation (eval_reward_funcs) with sequence_parallel_size > 1 is not "
                          "supported: generation runs on whole rows. Drop eval_reward_funcs, or evaluate the saved "
                          "student in a run without sequence parallelism.")
