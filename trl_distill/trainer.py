@@ -92,8 +92,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         args = DistillationConfig(output_dir="distilled-model") if args is None else as_distillation_config(args)
         plan = self.run_plan = resolve(args)  # how the fields combine, checked once before anything loads
         setup_logging(args)  # rank 0 says what it does (log_level), the others stay quiet (log_level_replica)
-        check_output_dir(args.output_dir, run_inputs(args, model, teacher_model, (train_dataset, eval_dataset),
-                                                     plan.teachers))
+        check_output_dir(args.output_dir, run_inputs(plan.teacher_paths, model, teacher_model,
+                                                     (train_dataset, eval_dataset), plan.teachers))
         refuse_if_locked(args)  # another live run holds output_dir: one line on every rank before anything loads
         check_dataset_not_empty(train_dataset, "train", "given")
         self.teacher = resolve_teacher(teacher_model, args, plan, student=model, processing_class=processing_class,
@@ -188,7 +188,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         accelerator_args = super()._build_accelerator_args(**kwargs)
         student_plugin = accelerator_args.get("deepspeed_plugin")
         refuse_zero3_student_sampling(self.run_plan.on_policy, student_plugin)
-        teacher_plugins = can.plugins_of(self.teacher, self.args, student_plugin)
+        teacher_plugins = can.plugins_of(self.teacher, self.run_plan.teacher_engine, student_plugin)
         if teacher_plugins:
             accelerator_args["deepspeed_plugin"] = {STUDENT: student_plugin, **teacher_plugins}
         if accelerator_args.get("deepspeed_plugin") is not None and compat.earlier_deepspeed_plugins() is not None:
@@ -201,7 +201,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
-        self.is_fsdp_enabled = self.is_fsdp_enabled or fsdp2.turn_on_for_cpu(self.accelerator, self.args)
+        plugin_args = self.args.fsdp_plugin_args  # (the Trainer's, from `fsdp` / `fsdp_config`)
+        self.is_fsdp_enabled = self.is_fsdp_enabled or fsdp2.turn_on_for_cpu(self.accelerator, plugin_args)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """`Trainer.train`, resuming only from complete checkpoints (see `trl_distill.runtime.checkpoints`)."""
@@ -225,8 +226,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
 
     def run_record(self) -> dict:
         """What this run records of itself in checkpoints and reports: teacher, settings, processes, student."""
-        return run_record(self.args, self.teacher.name, self.accelerator.num_processes, self.is_deepspeed_enabled,
-                          self.student_identity)
+        return run_record(self.run_plan.recorded, self.teacher.name, self.accelerator.num_processes,
+                          self.is_deepspeed_enabled, self.student_identity)
 
     def _save_checkpoint(self, model, trial):
         save_complete_checkpoint(self.context, super()._save_checkpoint, model, trial, self.output_dir_for(trial),
