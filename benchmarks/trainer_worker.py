@@ -239,7 +239,8 @@ def run_gkd(spec: dict, rec: dict, data, tokenizer) -> list[float]:
 
         def create_accelerator_and_postprocess(self):
             super().create_accelerator_and_postprocess()
-            self.is_fsdp_enabled = self.is_fsdp_enabled or fsdp2.turn_on_for_cpu(self.accelerator, self.args)
+            fsdp = fsdp2.turn_on_for_cpu(self.accelerator, self.args.fsdp_plugin_args)
+            self.is_fsdp_enabled = self.is_fsdp_enabled or fsdp
 
     settings = {"lmbda": 0.0, **spec.get("config", {})}
     args = CPUGKDConfig(**common_args(spec), beta=0.0, seq_kd=False, temperature=1.0, **settings)

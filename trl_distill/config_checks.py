@@ -70,7 +70,7 @@ def student_deepspeed(config):
 def settle_for_transformers(args) -> None:
     """The other values `TrainingArguments.__post_init__` reads, in the form it needs: `resume_from_checkpoint` as
     the API's, TRL's activation-checkpointing names carried over, and the precision a machine without GPU can train
-    in."""
+    in; and a reward-function list given as one name (a recipe, the API) as a list of it, as it is written out."""
     from .model.precision import settle_precision
 
     if isinstance(args.resume_from_checkpoint, str) and args.resume_from_checkpoint.lower() in ("true", "false"):
@@ -78,6 +78,9 @@ def settle_for_transformers(args) -> None:
         args.resume_from_checkpoint = True if args.resume_from_checkpoint.lower() == "true" else None
     _use_activation_checkpointing_names(args)
     settle_precision(args)
+    for name in ("eval_reward_funcs", "task_reward_funcs"):
+        if isinstance(getattr(args, name), str):
+            setattr(args, name, [getattr(args, name)])
 
 
 def _use_activation_checkpointing_names(args) -> None:

@@ -10,12 +10,16 @@ command line's, handed to the trainer)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .evaluation.checks import check_generation_eval_args
+from .evaluation.verifiers import as_names
 from .loss.settings import LossSettings
 from .rollout.engine_checks import check_engine_args
 from .rollout.objective_checks import check_objective_args
 from .rollout.sampling import Sampling
+from .runtime.checkpoints import RecordedSettings
+from .runtime.fsdp2 import fsdp_requested
 from .runtime.guards import check_guard_args
 from .runtime.sequence_parallel import attention_implementation, check_sequence_parallel_args, sequence_parallel_size
 from .runtime.validation import refuse_quantization_without_gpu
@@ -95,11 +99,39 @@ class Parallelism:
 
 
 @dataclass(frozen=True)
+class TeacherPaths:
+    """What the one teacher's flags name (several teachers: `RunPlan.teachers`)."""
+
+    model: str | None  # `teacher_model_name_or_path` (a `teacher_model` given to the trainer comes first)
+    cache: str | None  # `teacher_cache`
+    tokenizer: str | None  # `teacher_tokenizer_name_or_path`
+
+
+@dataclass(frozen=True)
+class TeacherEngine:
+    """What a live teacher's own DeepSpeed engine is built from (`teacher.live.LiveTeacher.plugin`): its config as
+    given, and the student's values that its ``"auto"`` entries take (`deepspeed_config.build_teacher_config`)."""
+
+    deepspeed: Any  # `teacher_deepspeed`: a path, JSON or dict; None: derived from the student's config
+    micro_batch_size: int  # the larger of the student's train and eval batch per device
+    gradient_accumulation_steps: int
+    world_size: int
+    max_grad_norm: float
+    bf16: bool  # the student's mixed precision (a teacher held whole is cast to it)
+    fp16: bool
+    bf16_full_eval: bool
+    fp16_full_eval: bool
+    seq_kd: bool  # the teacher samples
+    fsdp_student: bool  # an FSDP student: its teachers are sharded with FSDP2, DeepSpeed settings refused
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """One run as its arguments decide it, checked."""
 
     teachers: tuple[TeacherSpec, ...]  # several teachers; empty for one (or none)
     teacher_weights: tuple[float, ...] | None  # what several teachers mix with (None: routed, or one teacher)
+    teacher_paths: TeacherPaths
     loss: LossSettings  # its `vocab_size` is the models', known once they load
     alpha: float
     on_policy: OnPolicyPlan
@@ -107,6 +139,8 @@ class RunPlan:
     precision: Precision
     parallelism: Parallelism
     guards: GuardPlan
+    teacher_engine: TeacherEngine
+    recorded: RecordedSettings  # what its checkpoints record of it
 
 
 def resolve(args) -> RunPlan:
@@ -148,7 +182,7 @@ def _plan(args, teachers: tuple[TeacherSpec, ...], weights: tuple[float, ...] | 
     temperature = args.eval_temperature if args.eval_temperature is not None else \
         0.0 if args.num_generations_eval == 1 else args.generation_temperature
     evaluation = EvaluationPlan(
-        tuple(args.eval_reward_funcs or ()), args.num_generations_eval,
+        as_names(args.eval_reward_funcs), args.num_generations_eval,
         Sampling(args.eval_max_new_tokens or args.max_new_tokens, temperature, args.generation_top_p,
                  args.generation_top_k),
         args.eval_generation_prompts, args.eval_answer_column, args.eval_answer_pattern)
@@ -156,10 +190,12 @@ def _plan(args, teachers: tuple[TeacherSpec, ...], weights: tuple[float, ...] | 
     return RunPlan(
         teachers=teachers,
         teacher_weights=weights,
+        teacher_paths=TeacherPaths(args.teacher_model_name_or_path, args.teacher_cache,
+                                   args.teacher_tokenizer_name_or_path),
         loss=LossSettings.of(args, None),
         alpha=args.alpha,
         on_policy=OnPolicyPlan(args.lmbda, args.seq_kd, Sampling.from_args(args), args.on_policy_objective,
-                               args.use_vllm, args.seed, TaskRewardPlan(tuple(args.task_reward_funcs or ()),
+                               args.use_vllm, args.seed, TaskRewardPlan(as_names(args.task_reward_funcs),
                                                                         args.eval_answer_column,
                                                                         args.eval_answer_pattern)),
         evaluation=evaluation,
@@ -168,4 +204,13 @@ def _plan(args, teachers: tuple[TeacherSpec, ...], weights: tuple[float, ...] | 
                                 attention_implementation(args) if size > 1 else None),
         guards=GuardPlan(args.stop_on_nonfinite_loss, args.collapse_max_repetition, args.collapse_min_entropy,
                          args.collapse_patience, args.teacher_ce_margin),
+        teacher_engine=TeacherEngine(
+            args.teacher_deepspeed, max(args.per_device_train_batch_size, args.per_device_eval_batch_size),
+            args.gradient_accumulation_steps, args.world_size, args.max_grad_norm, bool(args.bf16), bool(args.fp16),
+            bool(args.bf16_full_eval), bool(args.fp16_full_eval), args.seq_kd,
+            fsdp_requested(getattr(args, "fsdp_plugin_args", None))),
+        recorded=RecordedSettings(
+            args.divergence, args.temperature, args.alpha, args.beta, args.skew_alpha, args.kd_temperature_scaling,
+            args.lmbda, args.seq_kd, args.teacher_cache, args.on_policy_objective,
+            None if args.task_reward_funcs is None else as_names(args.task_reward_funcs), args.teacher_prompt),
     )

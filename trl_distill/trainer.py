@@ -25,7 +25,6 @@ from .loss.settings import LossSettings
 from .model.fused_forward import add_fused_distillation_forward
 from .model.logit_check import LogitPaths
 from .rollout.learning_rate import warn_learning_rate
-from .rollout.objective_checks import refuse_own_text
 from .rollout.on_policy import CompletionSampler, check_sampling_prompts, refuse_zero3_student_sampling
 from .rollout.sampling import DATASET, completion_source
 from .rollout.sampling import STUDENT as STUDENT_SAMPLES
@@ -93,13 +92,11 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         args = DistillationConfig(output_dir="distilled-model") if args is None else as_distillation_config(args)
         plan = self.run_plan = resolve(args)  # how the fields combine, checked once before anything loads
         setup_logging(args)  # rank 0 says what it does (log_level), the others stay quiet (log_level_replica)
-        check_output_dir(args.output_dir, run_inputs(args, model, teacher_model, (train_dataset, eval_dataset),
-                                                     plan.teachers))
+        check_output_dir(args.output_dir, run_inputs(plan.teacher_paths, model, teacher_model,
+                                                     (train_dataset, eval_dataset), plan.teachers))
         refuse_if_locked(args)  # another live run holds output_dir: one line on every rank before anything loads
         check_dataset_not_empty(train_dataset, "train", "given")
-        refuse_own_text(args, teacher_model is not None)  # (a teacher the arguments name: as the config is built)
-        self.teacher = resolve_teacher(teacher_model, args, teachers=plan.teachers, weights=plan.teacher_weights,
-                                       student=model, processing_class=processing_class,
+        self.teacher = resolve_teacher(teacher_model, args, plan, student=model, processing_class=processing_class,
                                        eval_dataset=eval_dataset, peft_config=peft_config)  # the one teacher source
         train_dataset = can.routed_rows(self.teacher, train_dataset, eval_dataset)  # several teachers: each row's
         processing_class = processing_class or can.student_tokenizer_of(self.teacher)
@@ -192,7 +189,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         accelerator_args = super()._build_accelerator_args(**kwargs)
         student_plugin = accelerator_args.get("deepspeed_plugin")
         refuse_zero3_student_sampling(self.run_plan.on_policy, student_plugin)
-        teacher_plugins = can.plugins_of(self.teacher, self.args, student_plugin)
+        teacher_plugins = can.plugins_of(self.teacher, self.run_plan.teacher_engine, student_plugin)
         if teacher_plugins:
             accelerator_args["deepspeed_plugin"] = {STUDENT: student_plugin, **teacher_plugins}
         if accelerator_args.get("deepspeed_plugin") is not None and compat.earlier_deepspeed_plugins() is not None:
@@ -205,7 +202,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
-        self.is_fsdp_enabled = self.is_fsdp_enabled or fsdp2.turn_on_for_cpu(self.accelerator, self.args)
+        plugin_args = self.args.fsdp_plugin_args  # (the Trainer's, from `fsdp` / `fsdp_config`)
+        self.is_fsdp_enabled = self.is_fsdp_enabled or fsdp2.turn_on_for_cpu(self.accelerator, plugin_args)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """`Trainer.train`, resuming only from complete checkpoints (see `trl_distill.runtime.checkpoints`)."""
@@ -229,8 +227,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
 
     def run_record(self) -> dict:
         """What this run records of itself in checkpoints and reports: teacher, settings, processes, student."""
-        return run_record(self.args, self.teacher.name, self.accelerator.num_processes, self.is_deepspeed_enabled,
-                          self.student_identity)
+        return run_record(self.run_plan.recorded, self.teacher.name, self.accelerator.num_processes,
+                          self.is_deepspeed_enabled, self.student_identity)
 
     def _save_checkpoint(self, model, trial):
         save_complete_checkpoint(self.context, super()._save_checkpoint, model, trial, self.output_dir_for(trial),
@@ -253,7 +251,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         super()._set_signature_columns_if_needed()
         for column in can.columns_of(self.teacher):  # what the teacher's collator reads (a cache row, its own ids)
             self.keep_dataset_column(column)
-        if self.args.task_reward_funcs:  # the reward functions read the rows' own columns
+        if self.run_plan.on_policy.task_rewards.funcs:  # the reward functions read the rows' own columns
             for column in row_columns(self.train_dataset, can.columns_of(self.teacher)):
                 self.keep_dataset_column(column)
 
@@ -295,7 +293,7 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         fsdp2.refuse_evaluation_before_training(self.accelerator)  # before the student generates, unsharded
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
         dataset = self.eval_dataset[dataset] if isinstance(dataset, str) else dataset
-        if self.args.eval_reward_funcs and dataset is not None and not isinstance(dataset, dict):
+        if self.run_plan.evaluation.reward_funcs and dataset is not None and not isinstance(dataset, dict):
             self.prepare_teacher()
             training = self.model.training
             self.model.eval()

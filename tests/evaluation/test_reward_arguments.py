@@ -249,13 +249,13 @@ def test_a_sampled_token_run_records_and_reports_its_objective(tmp_path):
 
     args = DistillationConfig(output_dir=str(tmp_path / "out"), report_to="none", **SAMPLED,
                               task_reward_funcs=["exact_match"])
-    record = run_record(args, "teacher", 1, False)
+    record = run_record(resolve(args).recorded, "teacher", 1, False)
     assert {k: record["settings"][k] for k in ("on_policy_objective", "task_reward_funcs", "teacher_prompt")} == {
         "on_policy_objective": "sampled_token", "task_reward_funcs": ["exact_match"], "teacher_prompt": None}
     checkpoint = tmp_path / "out" / "checkpoint-2"
     checkpoint.mkdir(parents=True)
-    divergence = run_record(DistillationConfig(output_dir=str(tmp_path / "out"), report_to="none", lmbda=1.0,
-                                               temperature=1.0), "teacher", 1, False)
+    divergence = run_record(resolve(DistillationConfig(output_dir=str(tmp_path / "out"), report_to="none", lmbda=1.0,
+                                                       temperature=1.0)).recorded, "teacher", 1, False)
     (checkpoint / MARKER).write_text(json.dumps({"run": divergence}))
     with pytest.raises(ValueError, match="on_policy_objective: 'divergence' there, 'sampled_token' now"):
         check_resume(str(checkpoint), record)

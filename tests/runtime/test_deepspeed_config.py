@@ -2,16 +2,16 @@
 
 import json
 import logging
-from types import SimpleNamespace
 
 import pytest
 
+from trl_distill.run_plan import TeacherEngine
 from trl_distill.runtime.deepspeed_config import build_teacher_config, derive_teacher_config, load_deepspeed_config
 
-ARGS = SimpleNamespace(
-    per_device_train_batch_size=2, per_device_eval_batch_size=8, gradient_accumulation_steps=3, world_size=2,
-    max_grad_norm=1.0, bf16=True, bf16_full_eval=False, fp16=False, fp16_full_eval=False,
-)
+# the student's train and eval batches per device 2 and 8, accumulation 3, two processes, bf16
+ARGS = TeacherEngine(deepspeed=None, micro_batch_size=8, gradient_accumulation_steps=3, world_size=2,
+                     max_grad_norm=1.0, bf16=True, fp16=False, bf16_full_eval=False, fp16_full_eval=False,
+                     seq_kd=False, fsdp_student=False)
 
 
 def test_derived_config_is_zero3_inference_with_autos_filled():

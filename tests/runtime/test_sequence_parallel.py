@@ -3,6 +3,7 @@ and for the ZeRO-3 teacher, and the run computes what the same run without it co
 rows): the logged losses and, through SGD, the student's gradients. Bad input is one line before anything loads."""
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,12 +15,14 @@ from transformers import AutoTokenizer, BloomConfig
 from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.data.batch import SignalHolder, shard_signal
 from trl_distill.loss.sparse import SparseTeacherSignal
-from trl_distill.run_plan import resolve
+from trl_distill.run_plan import Parallelism, resolve
 from trl_distill.runtime.sequence_parallel import (
+    attention_implementation,
     check_sequence_parallel_args,
     check_sequence_parallel_models,
     sequence_parallel_size,
 )
+from trl_distill.teacher.resolve import resolve_teacher
 from trl_distill.teacher.step_pass import plain_rows
 from trl_distill.testing import (
     build_tiny_model,
@@ -191,14 +194,26 @@ def sp_args(size: int = 2, **overrides) -> SimpleNamespace:
     return SimpleNamespace(**{**fields, **overrides})
 
 
-def test_both_models_load_with_the_exchanged_attention(monkeypatch):
+def test_both_models_load_with_the_exchanged_attention(monkeypatch, tiny_pair, tmp_path):
+    """The student through the config SFTTrainer loads it with; the teacher through the plan (the config keeps its
+    own kwargs as written), unless its kwargs name an attention."""
+    config = DistillationConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True)  # (one process)
+    plain = resolve(config)
     monkeypatch.setenv("WORLD_SIZE", "2")
     args = sp_args()
     check_sequence_parallel_args(args)
     assert args.parallelism_config.sp_size == 2 and args.parallelism_config.sp_backend == "deepspeed"
     assert args.parallelism_config.sp_handler.sp_attn_implementation == "sdpa"
     assert args.model_init_kwargs["attn_implementation"] == "sdpa"
-    assert args.teacher_model_init_kwargs["attn_implementation"] == "sdpa"
+    assert args.teacher_model_init_kwargs is None and attention_implementation(args) == "sdpa"
+    plan = replace(plain, parallelism=Parallelism(True, False, 2, attention_implementation(args)))
+    teacher = resolve_teacher(tiny_pair["teacher"], config, plan, student=tiny_pair["student"], processing_class=None,
+                              eval_dataset=None, peft_config=None)
+    assert teacher.init_kwargs["attn_implementation"] == "sdpa"
+    config.teacher_model_init_kwargs = {"attn_implementation": "eager", "revision": "main"}
+    teacher = resolve_teacher(tiny_pair["teacher"], config, plan, student=tiny_pair["student"], processing_class=None,
+                              eval_dataset=None, peft_config=None)
+    assert teacher.init_kwargs == {"attn_implementation": "eager", "revision": "main"}
 
 
 def test_accelerates_own_parallelism_config_gets_the_attention(monkeypatch):
@@ -208,9 +223,9 @@ def test_accelerates_own_parallelism_config_gets_the_attention(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     args = sp_args(1, parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2))
     check_sequence_parallel_args(args)
-    assert args.sequence_parallel_size == 2
+    assert sequence_parallel_size(args) == 2 and args.sequence_parallel_size == 1  # the config as written
     assert args.parallelism_config.sp_handler.sp_attn_implementation == "sdpa"
-    assert args.teacher_model_init_kwargs["attn_implementation"] == "sdpa"
+    assert attention_implementation(args) == "sdpa" and args.teacher_model_init_kwargs is None  # (the plan's)
 
 
 def test_models_that_cannot_be_split_are_refused_before_loading():

@@ -170,4 +170,4 @@ def test_a_teachers_own_fsdp2_settings_are_checked_before_anything_loads_and_are
     fsdp2 = config(tmp_path, fsdp="full_shard", fsdp_config={"fsdp_version": 2})
     with pytest.raises(ValueError, match=r"^teacher b's `deepspeed` is set beside an FSDP student, whose teachers are "
                                          r"sharded with FSDP2: give its settings as teacher b's `fsdp` instead\.$"):
-        teacher.plugin(fsdp2, None)
+        teacher.plugin(resolve(fsdp2).teacher_engine, None)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..report.history import write_run_record
-from ..run_plan import resolve
+from ..run_plan import RunPlan, resolve
 from .errors import (
     Terminated,
     errors_as_messages,
@@ -50,19 +50,21 @@ def validate(script_args, training_args, model_args) -> None:
     check_apart(training_args.output_dir, inputs)
 
 
-def build_trainer(script_args, training_args, model_args):
-    """The `DistillationTrainer` the command line describes: data loaded and checked, student and PEFT set up."""
+def build_trainer(script_args, training_args, model_args, plan: RunPlan | None = None):
+    """The `DistillationTrainer` the command line describes: data loaded and checked, student and PEFT set up.
+    `plan`: the arguments' plan where the caller resolved them (else resolved here)."""
     from trl import get_peft_config, get_quantization_config
 
     from ..data.prepare import named_datasets
     from ..trainer import DistillationTrainer
 
     validate(script_args, training_args, model_args)
+    plan = resolve(training_args) if plan is None else plan
     named = named_datasets(script_args.dataset_name) if training_args.teachers else None
     if named is None:
-        train, evaluation = load_splits(script_args, training_args, script_args.dataset_name, "--dataset_name")
+        train, evaluation = load_splits(script_args, training_args, plan, script_args.dataset_name, "--dataset_name")
     else:  # several teachers, a dataset each: routed as a whole (each evaluated apart, eval_NAME_loss)
-        splits = {name: load_named(script_args, training_args, name, paths) for name, paths in named.items()}
+        splits = {name: load_named(script_args, training_args, plan, name, paths) for name, paths in named.items()}
         train = {name: split[0] for name, split in splits.items()}
         evaluation = None if training_args.eval_strategy == "no" else {
             name: split[1].add_column(training_args.teacher_column, [name] * len(split[1]))
@@ -82,7 +84,7 @@ def build_trainer(script_args, training_args, model_args):
     )
 
 
-def load_named(script_args, training_args, name: str, paths: list[str]):
+def load_named(script_args, training_args, plan: RunPlan, name: str, paths: list[str]):
     """``(train, eval or None)`` of the teacher `name`'s datasets (``--dataset_name name=A,name=B``): all their rows, in
     order, each dataset checked as `load_splits` checks one; datasets of different formats are one line naming
     both."""
@@ -90,7 +92,7 @@ def load_named(script_args, training_args, name: str, paths: list[str]):
 
     from ..data.prepare import dataset_format
 
-    parts = [load_splits(script_args, training_args, path, f"--dataset_name {name}={path}") for path in paths]
+    parts = [load_splits(script_args, training_args, plan, path, f"--dataset_name {name}={path}") for path in paths]
     if len(parts) == 1:
         return parts[0]
     formats = {path: dataset_format(train) for path, (train, _) in zip(paths, parts, strict=True)}
@@ -102,8 +104,9 @@ def load_named(script_args, training_args, name: str, paths: list[str]):
     return concatenate_datasets([split[0] for split in parts]), evaluation
 
 
-def load_splits(script_args, training_args, name: str, what: str):
-    """``(train, eval or None)`` of the dataset `name`, each split checked (`what`: the flag, in messages)."""
+def load_splits(script_args, training_args, plan: RunPlan, name: str, what: str):
+    """``(train, eval or None)`` of the dataset `name`, each split checked (`what`: the flag, in messages; `plan`:
+    the arguments', whose verifiers and task rewards read the splits' references)."""
     from ..data.prepare import check_format, load_dataset_any
     from ..evaluation.references import check_loaded_references
 
@@ -118,8 +121,9 @@ def load_splits(script_args, training_args, name: str, what: str):
     if evaluation is None and training_args.eval_strategy != "no":
         raise ValueError(f"eval_strategy is {training_args.eval_strategy!r} but the dataset has no "
                          f"{script_args.dataset_test_split!r} split; set --dataset_test_split or --eval_strategy no.")
-    check_loaded_references(training_args, name, {"train": (script_args.dataset_train_split, train),
-                                                  "eval": (script_args.dataset_test_split, evaluation)})
+    check_loaded_references(plan.evaluation, plan.on_policy.task_rewards, name,
+                            {"train": (script_args.dataset_train_split, train),
+                             "eval": (script_args.dataset_test_split, evaluation)})
     return train, evaluation
 
 
@@ -181,9 +185,9 @@ def main(argv: list[str]) -> None:
     with sigterm_raises():
         with errors_as_messages():
             script_args, training_args, model_args = parse_recipe(make_parser(), argv)
-            resolve(training_args)  # how the fields combine: one line before anything loads
+            plan = resolve(training_args)  # how the fields combine: one line before anything loads
             check_student_eos(script_args, training_args, model_args)
-            trainer = build_trainer(script_args, training_args, model_args)
+            trainer = build_trainer(script_args, training_args, model_args, plan)
             resume = trainer.resume_point(training_args.resume_from_checkpoint)
             jit_stopped = note_sigterm()  # --enable_jit_checkpoint: the HF Trainer's handler saves and stops
         # an expected fault from here on is one line too (a full disk, a dead server, SIGTERM)

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from .verifiers import resolve_verifiers
+from ..runtime.sequence_parallel import sequence_parallel_size
+from .verifiers import as_names, resolve_verifiers
 
 
 def check_generation_eval_args(args) -> None:
@@ -18,16 +19,15 @@ def check_generation_eval_args(args) -> None:
     for name in ("eval_max_new_tokens", "eval_generation_prompts"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"{name} must be >= 1 or None, got {getattr(args, name)}.")
-    if isinstance(args.eval_reward_funcs, str):  # one name given as a string (a recipe, the API)
-        args.eval_reward_funcs = [args.eval_reward_funcs]
-    if not args.eval_reward_funcs:
+    funcs = as_names(args.eval_reward_funcs)
+    if not funcs:
         return
-    resolve_verifiers(args.eval_reward_funcs, args.eval_answer_column or "answer", args.eval_answer_pattern)
+    resolve_verifiers(funcs, args.eval_answer_column or "answer", args.eval_answer_pattern)
     if args.padding_free or args.packing and args.eval_packing is not False:
         raise ValueError("Generation-based evaluation (eval_reward_funcs) completes each eval row's prompt, and packed "
                          "eval rows have none of their own: set padding_free=False and, with packing, eval_packing="
                          "False (training may stay packed).")
-    if getattr(args, "sequence_parallel_size", 1) > 1:
+    if sequence_parallel_size(args) > 1:
         raise ValueError("Generation-based evaluation (eval_reward_funcs) with sequence_parallel_size > 1 is not "
                          "supported: generation runs on whole rows. Drop eval_reward_funcs, or evaluate the saved "
                          "student in a run without sequence parallelism.")

@@ -13,8 +13,12 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+from typing import TYPE_CHECKING
 
 from .calls import CALL_NAMES, Verifier
+
+if TYPE_CHECKING:
+    from ..run_plan import EvaluationPlan, TaskRewardPlan
 
 logger = logging.getLogger("trl_distill")
 
@@ -91,22 +95,23 @@ def split_source(name: str, split: str) -> str:
     return label
 
 
-def check_loaded_references(args, name: str, splits: dict) -> None:
+def check_loaded_references(evaluation: EvaluationPlan, task_rewards: TaskRewardPlan, name: str,
+                            splits: dict) -> None:
     """The command line, as a dataset is loaded (`splits`: split name -> rows or None): each function's references
-    in the split it reads (eval_reward_funcs: the eval split; task_reward_funcs: the train split), all null refused
-    naming the file. (The trainer checks again, naming the split, and warns about a few nulls.)"""
+    in the split it reads (the plan's `evaluation` verifiers: the eval split; its `task_rewards`: the train split),
+    all null refused naming the file. (The trainer checks again, naming the split, and warns about a few nulls.)"""
     from .verifiers import answer_column, resolve_verifiers
 
-    wanted = {"eval": ("eval_reward_funcs", args.eval_reward_funcs),
-              "train": ("task_reward_funcs", getattr(args, "task_reward_funcs", None))}
+    wanted = {"eval": ("eval_reward_funcs", evaluation), "train": ("task_reward_funcs", task_rewards)}
     for role, (split, rows) in splits.items():
-        flag, specs = wanted[role]
+        flag, plan = wanted[role]
+        specs = list(plan.reward_funcs if role == "eval" else plan.funcs)
         if not specs or rows is None or not hasattr(rows, "column_names"):
             continue
         try:
-            column = answer_column(specs, args.eval_answer_column, rows.column_names, "")
+            column = answer_column(specs, plan.answer_column, rows.column_names, "")
         except ValueError:
             continue  # no answer column at all: the trainer says so, with its fix
-        verifiers = resolve_verifiers(specs, column or "answer", args.eval_answer_pattern, flag)
-        limit = args.eval_generation_prompts if role == "eval" else None
+        verifiers = resolve_verifiers(specs, column or "answer", plan.answer_pattern, flag)
+        limit = evaluation.max_prompts if role == "eval" else None
         check_references(verifiers, rows, split_source(name, split), limit, warn=False)

@@ -178,6 +178,12 @@ def resolve_verifiers(specs: list[str], answer_column: str, pattern: str | None,
     return verifiers
 
 
+def as_names(value) -> tuple[str, ...]:
+    """The functions a `*_reward_funcs` field names: a list of them, one given as a string (a recipe, the API), or
+    None (none)."""
+    return (value,) if isinstance(value, str) else tuple(value or ())
+
+
 def uses_answer_column(specs: list[str]) -> bool:
     return any(spec in BUILT_INS for spec in specs)
 

@@ -33,11 +33,11 @@ class Rollout:
     ended: bool
 
 
-def server_url(args) -> str:
+def server_url(base_url: str | None, host: str, port: int) -> str:
     """TRL's rule: `vllm_server_base_url` if given, else ``http://vllm_server_host:vllm_server_port``."""
-    if args.vllm_server_base_url:
-        return args.vllm_server_base_url.rstrip("/")
-    return f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+    if base_url:
+        return base_url.rstrip("/")
+    return f"http://{host}:{port}"
 
 
 class RolloutServerClient:

@@ -35,7 +35,9 @@ class EngineRollouts:
 
     def __init__(self, context, client: RolloutServerClient | None = None, syncs: bool = True, salt: int = 0):
         self.context, args = context, context.args
-        self.client = client or RolloutServerClient(server_url(args), timeout=args.vllm_server_timeout)
+        self.client = client or RolloutServerClient(
+            server_url(args.vllm_server_base_url, args.vllm_server_host, args.vllm_server_port),
+            timeout=args.vllm_server_timeout)
         self.syncs, self.salt = syncs, salt  # salt: another seed stream per engine (the student's is 0)
         self.sync = None
         self.synced_step = None  # the optimizer step whose weights the server holds

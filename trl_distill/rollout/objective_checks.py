@@ -8,26 +8,25 @@ from __future__ import annotations
 from ..constants import OBJECTIVES
 
 
-def refuse_own_text(args, teacher: bool) -> None:
+def refuse_own_text(alpha: float, lmbda: float, task_reward: bool, teacher: bool) -> None:
     """``alpha=0`` on the student's own samples (``lmbda > 0``) with a `teacher`: the loss is the cross-entropy of
     the student's own text alone, the teacher's judgement of it (and any task reward) weighted 0: a run that learns
     nothing of the teacher, in silence. One line. (``seq_kd`` with ``alpha=0`` trains on the teacher's samples:
     sequence-level KD, kept.)"""
-    if teacher and args.alpha == 0 and args.lmbda > 0:
-        raise ValueError(f"alpha=0 trains on the cross-entropy alone, and with lmbda={args.lmbda} the completions are "
+    if teacher and alpha == 0 and lmbda > 0:
+        raise ValueError(f"alpha=0 trains on the cross-entropy alone, and with lmbda={lmbda} the completions are "
                          "the student's own samples: it would learn its own text, the teacher's judgement of it "
-                         f"weighted 0{' (and the task reward with it)' if args.task_reward_funcs else ''}. Set "
+                         f"weighted 0{' (and the task reward with it)' if task_reward else ''}. Set "
                          "alpha > 0 (1: the teacher's signal alone), or lmbda=0.")
 
 
 def check_objective_args(args) -> None:
     """One line for on-policy objective settings that cannot work, before anything loads."""
-    from ..evaluation.verifiers import resolve_verifiers
+    from ..evaluation.verifiers import as_names, resolve_verifiers
 
-    if isinstance(args.task_reward_funcs, str):  # one name given as a string (a recipe, the API)
-        args.task_reward_funcs = [args.task_reward_funcs]
     named = args.teacher_model_name_or_path or args.teacher_server or args.teachers or args.teacher_cache
-    refuse_own_text(args, bool(named))  # (without a teacher, the teacher's refusal names it)
+    # (without a teacher, the teacher's refusal names it)
+    refuse_own_text(args.alpha, args.lmbda, bool(args.task_reward_funcs), bool(named))
     if args.on_policy_objective not in OBJECTIVES:
         raise ValueError(f"on_policy_objective must be one of {', '.join(OBJECTIVES)}, got "
                          f"{args.on_policy_objective!r}.")
@@ -52,5 +51,5 @@ def check_objective_args(args) -> None:
         raise ValueError(f"epsilon must be in [0, 1) and epsilon_high >= 0, got {args.epsilon} and "
                          f"{args.epsilon_high}.")
     if args.task_reward_funcs:
-        resolve_verifiers(args.task_reward_funcs, args.eval_answer_column or "answer", args.eval_answer_pattern,
-                          "task_reward_funcs")
+        resolve_verifiers(as_names(args.task_reward_funcs), args.eval_answer_column or "answer",
+                          args.eval_answer_pattern, "task_reward_funcs")

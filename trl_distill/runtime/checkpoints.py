@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+from dataclasses import asdict, dataclass
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +131,24 @@ def resolve_resume(resume_from_checkpoint: str | bool | None, output_dir: str) -
     return path
 
 
-RECORDED_SETTINGS = ("divergence", "temperature", "alpha", "beta", "skew_alpha", "kd_temperature_scaling", "lmbda",
-                     "seq_kd", "teacher_cache", "on_policy_objective", "task_reward_funcs", "teacher_prompt")
+@dataclass(frozen=True)
+class RecordedSettings:
+    """The distillation settings a checkpoint records (`run_record`), as the run plan has them: a resume under others
+    is another set-up (`check_resume`). Each field is the `DistillationConfig` field of its name."""
+
+    divergence: str
+    temperature: float
+    alpha: float
+    beta: float
+    skew_alpha: float
+    kd_temperature_scaling: bool
+    lmbda: float
+    seq_kd: bool
+    teacher_cache: str | None
+    on_policy_objective: str
+    task_reward_funcs: tuple[str, ...] | None  # recorded as a list
+    teacher_prompt: str | None
+
 # Config entries that do not shape the weights (ids, dtype, runtime switches): left out of the architecture hash
 _NOT_ARCHITECTURE = {"transformers_version", "dtype", "torch_dtype", "attn_implementation", "use_cache",
                      "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
@@ -178,12 +195,15 @@ def student_identity(student, peft_config=None, trust_remote_code: bool = False)
     return {"name": name, "architecture": digest}
 
 
-def run_record(args, teacher: str | None, world_size: int, deepspeed: bool, student: dict | None = None) -> dict:
-    """What a checkpoint records of the run that wrote it: the teacher, the distillation settings, the student
-    (`student_identity`), the process count and whether DeepSpeed holds per-rank optimizer states (see
+def run_record(settings: RecordedSettings, teacher: str | None, world_size: int, deepspeed: bool,
+               student: dict | None = None) -> dict:
+    """What a checkpoint records of the run that wrote it: the teacher, the distillation `settings` (the run plan's),
+    the student (`student_identity`), the process count and whether DeepSpeed holds per-rank optimizer states (see
     `check_resume`)."""
-    record = {"world_size": world_size, "deepspeed": bool(deepspeed),
-              "settings": {"teacher": teacher, **{name: getattr(args, name) for name in RECORDED_SETTINGS}}}
+    values = asdict(settings)
+    if values["task_reward_funcs"] is not None:
+        values["task_reward_funcs"] = list(values["task_reward_funcs"])
+    record = {"world_size": world_size, "deepspeed": bool(deepspeed), "settings": {"teacher": teacher, **values}}
     if student is not None:
         record["student"] = student
     return record

@@ -12,7 +12,10 @@ import json
 import logging
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..run_plan import TeacherEngine
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +106,7 @@ def _remaining_auto(config: Any, prefix: str = "") -> list[str]:
 def build_teacher_config(
     teacher_config: str | os.PathLike | dict | None,
     student_config: dict | None,
-    args,
+    engine: TeacherEngine,
     teacher_hidden_size: int,
     notes: list[str] | None = None,
 ) -> dict:
@@ -113,7 +116,7 @@ def build_teacher_config(
         teacher_config: the user's teacher config (path, JSON string or dict), or None to derive a ZeRO-3
             inference config from `student_config`.
         student_config: the student's DeepSpeed config (only its precision blocks are read).
-        args: the `TrainingArguments` the student trains with; ``"auto"`` values come from them.
+        engine: the run plan's `TeacherEngine`: the student's values that ``"auto"`` entries take.
         teacher_hidden_size: the teacher's hidden size, for the ZeRO-3 bucket sizes.
         notes: where to append a line saying which values were filled with DeepSpeed's defaults.
 
@@ -134,19 +137,17 @@ def build_teacher_config(
             f"The teacher's DeepSpeed config has ZeRO stage {stage}: every rank will hold the whole teacher. "
             "Use stage 3 to partition it across ranks."
         )
-    world_size = getattr(args, "world_size", 1)
-    _fill(config, "train_micro_batch_size_per_gpu", max(args.per_device_train_batch_size,
-                                                         args.per_device_eval_batch_size))
-    _fill(config, "gradient_accumulation_steps", args.gradient_accumulation_steps)
+    _fill(config, "train_micro_batch_size_per_gpu", engine.micro_batch_size)
+    _fill(config, "gradient_accumulation_steps", engine.gradient_accumulation_steps)
     # DeepSpeed checks train_batch_size == micro batch × accumulation × world size: follow the config's own values
     # (accelerate's guide fixes the teacher's micro batch at 1 whatever the student's is)
     micro_batch = config.get("train_micro_batch_size_per_gpu")
     accumulation = config.get("gradient_accumulation_steps")
     if isinstance(micro_batch, int) and isinstance(accumulation or 1, int):
-        _fill(config, "train_batch_size", micro_batch * (accumulation or 1) * world_size)
-    _fill(config, "gradient_clipping", args.max_grad_norm)
-    _fill(config, "bf16.enabled", bool(args.bf16 or args.bf16_full_eval))
-    _fill(config, "fp16.enabled", bool(args.fp16 or args.fp16_full_eval))
+        _fill(config, "train_batch_size", micro_batch * (accumulation or 1) * engine.world_size)
+    _fill(config, "gradient_clipping", engine.max_grad_norm)
+    _fill(config, "bf16.enabled", engine.bf16 or engine.bf16_full_eval)
+    _fill(config, "fp16.enabled", engine.fp16 or engine.fp16_full_eval)
     h = teacher_hidden_size
     _fill(config, "zero_optimization.reduce_bucket_size", h * h)
     if stage == 3:

@@ -73,22 +73,26 @@ def is_fsdp2(accelerator) -> bool:
     return bool(getattr(accelerator, "is_fsdp2", False))
 
 
-def requested_plugin(args):
-    """The FSDP plugin this run asks for: from `fsdp` / `fsdp_config` (the Trainer's), else from `accelerate
-    launch`'s environment (``ACCELERATE_USE_FSDP``); None without FSDP."""
+def fsdp_requested(plugin_args: dict | None) -> bool:
+    """Whether this run asks for FSDP: the Trainer's `fsdp_plugin_args` (from `fsdp` / `fsdp_config`), or `accelerate
+    launch`'s environment (``ACCELERATE_USE_FSDP``)."""
+    return plugin_args is not None or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def requested_plugin(plugin_args: dict | None):
+    """The FSDP plugin this run asks for (`fsdp_requested`) from the Trainer's `fsdp_plugin_args`, else accelerate's
+    defaults (its environment); None without FSDP."""
+    if not fsdp_requested(plugin_args):
+        return None
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    if getattr(args, "fsdp_plugin_args", None) is not None:
-        return FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-        return FullyShardedDataParallelPlugin()
-    return None
+    return FullyShardedDataParallelPlugin(**(plugin_args or {}))
 
 
-def turn_on_for_cpu(accelerator, args) -> bool:
+def turn_on_for_cpu(accelerator, plugin_args: dict | None) -> bool:
     """On CPU processes (gloo), give the accelerator the FSDP2 plugin accelerate left out (`compat`); True when it
-    did. FSDP1 is not turned on there: it does not run on CPU."""
-    plugin = requested_plugin(args)
+    did. FSDP1 is not turned on there: it does not run on CPU. `plugin_args`: the Trainer's `fsdp_plugin_args`."""
+    plugin = requested_plugin(plugin_args)
     if plugin is None or plugin.fsdp_version != 2 or accelerator.device.type != "cpu":
         return False
     return compat.fsdp_on_cpu_processes(accelerator, plugin)

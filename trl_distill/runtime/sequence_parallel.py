@@ -46,7 +46,8 @@ def attention_implementation(args) -> str:
 
 def check_sequence_parallel_args(args) -> None:
     """In `run_plan.resolve`: refuse what cannot combine with sequence parallelism (one line naming the fix), then
-    give the Trainer accelerate's `ParallelismConfig` and both models the attention it wraps."""
+    give the Trainer accelerate's `ParallelismConfig` and the student the attention it wraps (the teacher gets it
+    from the plan, `Parallelism.attn_implementation`)."""
     size = sequence_parallel_size(args)
     if size < 1:
         raise ValueError(f"sequence_parallel_size must be >= 1, got {size}.")
@@ -70,6 +71,10 @@ def check_sequence_parallel_args(args) -> None:
     for why, fix in _refusals(args, implementation):
         if why:
             raise ValueError(f"Sequence parallelism (sequence_parallel_size={size}) {fix}")
+    # The only fields written here, as the libraries read them from the config itself (the plan has the size and
+    # the attention, and the teacher loads with the plan's): the Trainer hands `parallelism_config` to accelerate,
+    # whose Ulysses wrapper registers its handler's attention, and SFTTrainer loads a student path with
+    # `model_init_kwargs`.
     if given is None:
         from accelerate import ParallelismConfig
         from accelerate.utils import DeepSpeedSequenceParallelConfig
@@ -79,13 +84,11 @@ def check_sequence_parallel_args(args) -> None:
         args.parallelism_config = ParallelismConfig(sp_backend="deepspeed", sp_size=size, sp_handler=handler)
     elif getattr(given.sp_handler, "sp_attn_implementation", None) is None:
         given.sp_handler.sp_attn_implementation = implementation  # accelerate would register None
-    args.sequence_parallel_size = size
-    for name in ("model_init_kwargs", "teacher_model_init_kwargs"):
-        kwargs = getattr(args, name)
-        kwargs = dict(kwargs) if isinstance(kwargs, dict) else {} if kwargs is None else kwargs
-        if isinstance(kwargs, dict):
-            kwargs.setdefault("attn_implementation", implementation)
-            setattr(args, name, kwargs)
+    kwargs = args.model_init_kwargs
+    kwargs = dict(kwargs) if isinstance(kwargs, dict) else {} if kwargs is None else kwargs
+    if isinstance(kwargs, dict):
+        kwargs.setdefault("attn_implementation", implementation)
+        args.model_init_kwargs = kwargs
 
 
 def _refusals(args, implementation: str):
@@ -132,10 +135,10 @@ def check_sequence_parallel_models(size: int, named_configs: dict) -> None:
                              "that does (Llama, Qwen2, Mistral, ...) or sequence_parallel_size=1.")
 
 
-def check_models_before_loading(args, student, teacher) -> None:
+def check_models_before_loading(size: int, student, teacher) -> None:
     """`check_sequence_parallel_models` on the student and the teacher as given (a path's config is read, nothing is
-    loaded)."""
-    if sequence_parallel_size(args) == 1:
+    loaded), under sequence parallelism of `size` (the plan's)."""
+    if size == 1:
         return
     from transformers import AutoConfig
 
@@ -149,9 +152,7 @@ def check_models_before_loading(args, student, teacher) -> None:
         except (OSError, ValueError):
             return None  # "self", or a model the loader names as missing or broken itself
 
-    teacher = teacher if teacher is not None else args.teacher_model_name_or_path
-    check_sequence_parallel_models(sequence_parallel_size(args), {"student": config_of(student),
-                                                                  "teacher": config_of(teacher)})
+    check_sequence_parallel_models(size, {"student": config_of(student), "teacher": config_of(teacher)})
 
 
 def collator(base, parallelism: Parallelism):

@@ -8,10 +8,14 @@ import math
 import os
 import socket
 import struct
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import ExternalError
+
+if TYPE_CHECKING:
+    from ..run_plan import TeacherPaths
 
 logger = logging.getLogger(__name__)
 
@@ -257,16 +261,15 @@ def check_apart(output: str, inputs: dict[str, str | None]) -> None:
                          "(--output_dir; for cache-teacher, --teacher_cache).")
 
 
-def run_inputs(args, student=None, teacher=None, datasets=(), teachers=()) -> dict[str, str | None]:
-    """``{what: path}`` of everything a run reads from disk: the student, the teacher (or several `teachers`, the
-    run plan's specs), its cache and tokenizer, the data files (for `check_output_dir`). A model object counts by the
-    directory it was loaded from."""
-    teacher = teacher if teacher is not None else getattr(args, "teacher_model_name_or_path", None)
+def run_inputs(paths: TeacherPaths, student=None, teacher=None, datasets=(), teachers=()) -> dict[str, str | None]:
+    """``{what: path}`` of everything a run reads from disk: the student, the teacher (a `teacher` object or name,
+    else the plan's `paths`; or several `teachers`, the plan's specs), its cache and tokenizer, the data files (for
+    `check_output_dir`). A model object counts by the directory it was loaded from."""
+    teacher = teacher if teacher is not None else paths.model
     inputs = {"the student (--model_name_or_path)": _source_of(student),
               "the teacher (--teacher_model_name_or_path)": _source_of(teacher),
-              "the teacher cache (--teacher_cache)": getattr(args, "teacher_cache", None),
-              "the teacher's tokenizer (--teacher_tokenizer_name_or_path)":
-                  getattr(args, "teacher_tokenizer_name_or_path", None)}
+              "the teacher cache (--teacher_cache)": paths.cache,
+              "the teacher's tokenizer (--teacher_tokenizer_name_or_path)": paths.tokenizer}
     for spec in teachers:  # several teachers: each one's model or cache directory
         inputs[f"the teacher {spec.name} (--teachers)"] = _source_of(spec.model or spec.cache)
     for number, source in enumerate(path for dataset in datasets for path in dataset_sources(dataset)):

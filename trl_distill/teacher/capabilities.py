@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 if TYPE_CHECKING:
     from accelerate.utils import DeepSpeedPlugin
 
+    from ..run_plan import TeacherEngine
     from .base import TeacherSource
 
 logger = logging.getLogger(__name__)
@@ -31,8 +32,9 @@ class OwnEngine(Protocol):
     """What was filled into its DeepSpeed config (printed as training starts)."""
 
     @abstractmethod
-    def plugins(self, args, student_plugin) -> dict[str, DeepSpeedPlugin]:
-        """Every DeepSpeed plugin of this teacher beside the student's, by name (``teacher``, ``teacher:NAME``)."""
+    def plugins(self, engine: TeacherEngine, student_plugin) -> dict[str, DeepSpeedPlugin]:
+        """Every DeepSpeed plugin of this teacher beside the student's, by name (``teacher``, ``teacher:NAME``), built
+        as the plan's `engine` says."""
 
 
 class RoutesRows(Protocol):
@@ -209,13 +211,13 @@ def required(teacher: TeacherSource, capability: type[C], refusal: str) -> C:
     return found
 
 
-def plugins_of(teacher: TeacherSource, args, student_plugin) -> dict:
-    """The DeepSpeed plugins of `teacher` beside the student's; none for a teacher without an engine (a
-    `teacher_deepspeed` given for it is ignored, with a warning)."""
-    engine = teacher.capability(OwnEngine)
-    if engine is not None:
-        return engine.plugins(args, student_plugin)
-    if args.teacher_deepspeed is not None:
+def plugins_of(teacher: TeacherSource, engine: TeacherEngine, student_plugin) -> dict:
+    """The DeepSpeed plugins of `teacher` beside the student's, built as the plan's `engine` says; none for a teacher
+    without an engine (a `teacher_deepspeed` given for it is ignored, with a warning)."""
+    own = teacher.capability(OwnEngine)
+    if own is not None:
+        return own.plugins(engine, student_plugin)
+    if engine.deepspeed is not None:
         logger.warning("Ignoring `teacher_deepspeed`: the teacher is %s; it has no engine.", teacher.describe())
     return {}
 

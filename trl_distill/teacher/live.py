@@ -14,6 +14,7 @@ import contextlib
 import functools
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
 from accelerate.utils import DeepSpeedPlugin
@@ -27,7 +28,7 @@ from ..loss.sparse import top_k_teacher_signal
 from ..model.fused_forward import LossFeatures, add_fused_distillation_forward, features_only, gathered, hidden_size
 from ..model.logit_check import announce, probe_inputs, settle_logit_paths
 from ..runtime.deepspeed_config import build_teacher_config
-from ..runtime.fsdp2 import TeacherShardSettings, is_fsdp2, requested_plugin, world_mesh
+from ..runtime.fsdp2 import TeacherShardSettings, is_fsdp2, world_mesh
 from ..runtime.guards import check_teacher_finite
 from ..runtime.sequence_parallel import check_sharded_attention
 from ..runtime.validation import check_model_path, check_tokenizers_match, check_weights_complete
@@ -46,6 +47,9 @@ from .fsdp2_loading import load_sharded, release_root, shard, teacher_bytes
 from .rows import DenseRows
 from .step_pass import TeacherStepPass
 from .zero3_loading import load_partitioned, loadable
+
+if TYPE_CHECKING:
+    from ..run_plan import TeacherEngine
 
 logger = logging.getLogger(__name__)
 
@@ -138,19 +142,19 @@ class LiveTeacher(TeacherSource, OwnEngine, OwnVocabulary, StepHooks, LogitCheck
     def describe(self) -> str:
         return f"the model {self.name}"
 
-    def plugins(self, args, student_plugin) -> dict[str, DeepSpeedPlugin]:
+    def plugins(self, engine: TeacherEngine, student_plugin) -> dict[str, DeepSpeedPlugin]:
         """Its plugin (`plugin`) by its name beside the student's; none without one."""
-        plugin = self.plugin(args, student_plugin)
+        plugin = self.plugin(engine, student_plugin)
         return {} if plugin is None else {self.plugin_name: plugin}
 
-    def plugin(self, args, student_plugin) -> DeepSpeedPlugin | None:
-        """The teacher's own DeepSpeed plugin beside `student_plugin`: ZeRO-3 inference unless `args.teacher_deepspeed`
-        says otherwise (see `deepspeed_config.build_teacher_config`). `config_notes` says what was filled. None for a
-        student without DeepSpeed (the teacher then runs on the training device)."""
+    def plugin(self, engine: TeacherEngine, student_plugin) -> DeepSpeedPlugin | None:
+        """The teacher's own DeepSpeed plugin beside `student_plugin`: ZeRO-3 inference unless the plan's `engine`
+        (`teacher_deepspeed`) says otherwise (see `deepspeed_config.build_teacher_config`). `config_notes` says what
+        was filled. None for a student without DeepSpeed (the teacher then runs on the training device)."""
         if student_plugin is None:
-            if args.teacher_deepspeed is not None or self.deepspeed_config is not None:
+            if engine.deepspeed is not None or self.deepspeed_config is not None:
                 what = "`teacher_deepspeed`" if self.deepspeed_config is None else f"{self.label}'s `deepspeed`"
-                if requested_plugin(args) is not None:
+                if engine.fsdp_student:
                     own = "`teacher_fsdp_config`" if self.deepspeed_config is None else f"{self.label}'s `fsdp`"
                     raise ValueError(f"{what} is set beside an FSDP student, whose teachers are sharded with FSDP2: "
                                      f"give its settings as {own} instead.")
@@ -160,15 +164,15 @@ class LiveTeacher(TeacherSource, OwnEngine, OwnVocabulary, StepHooks, LogitCheck
                 )
             return None
         self.config_notes = []
-        given = self.deepspeed_config if self.deepspeed_config is not None else args.teacher_deepspeed
-        if given is None and args.world_size == 1:  # nothing to partition over: held whole, no per-module hooks
+        given = self.deepspeed_config if self.deepspeed_config is not None else engine.deepspeed
+        if given is None and engine.world_size == 1:  # nothing to partition over: held whole, no per-module hooks
             self.held_whole = True
-            self.whole_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+            self.whole_dtype = torch.bfloat16 if engine.bf16 else torch.float16 if engine.fp16 else None
             return None
-        config = build_teacher_config(given, student_plugin.deepspeed_config, args,
+        config = build_teacher_config(given, student_plugin.deepspeed_config, engine,
                                       hidden_size(self.config), notes=self.config_notes)
         stage = config["zero_optimization"].get("stage", 0)
-        if args.seq_kd and stage == 3:
+        if engine.seq_kd and stage == 3:
             # Sampling runs the teacher's own lm_head, which our loss gathers itself; DeepSpeed's prefetcher would
             # then have it in flight when the loss gathers it (deepspeed 0.19.8). Fetch on demand instead.
             config["zero_optimization"]["stage3_prefetch_bucket_size"] = 0

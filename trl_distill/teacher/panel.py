@@ -118,10 +118,10 @@ class TeacherPanel(TeacherSource, OwnEngine, RoutesRows, PreparesDataset, TrainR
 
     # ---- Before the data is prepared ----
 
-    def plugins(self, args, student_plugin) -> dict:
+    def plugins(self, engine, student_plugin) -> dict:
         out = {}
         for member in self.members.values():
-            out.update(plugins_of(member, args, student_plugin))
+            out.update(plugins_of(member, engine, student_plugin))
         return out
 
     def route_rows(self, train_dataset, eval_dataset):

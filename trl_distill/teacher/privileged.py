@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..data.batch import EXTRAS, add_extras, extras_of, merge_extras, pop_extra
+from ..runtime.sequence_parallel import sequence_parallel_size
 from .base import TeacherBatch, TeacherSource
 from .capabilities import (
     LogitChecked,
@@ -44,8 +45,8 @@ def check_teacher_prompt_args(args) -> None:
         (args.teachers is not None, "it takes one teacher (several teachers with their own prompts are not "
                                     "supported yet): pass one with --teacher_model_name_or_path or --teacher_server"),
         (args.seq_kd, "seq_kd would sample from the teacher's prompts: set seq_kd=False"),
-        (getattr(args, "sequence_parallel_size", 1) > 1, "rows are split over ranks under sequence parallelism: set "
-                                                         "sequence_parallel_size=1"),
+        (sequence_parallel_size(args) > 1, "rows are split over ranks under sequence parallelism: set "
+                                           "sequence_parallel_size=1"),
     ]
     for refused, why in refusals:
         if refused:

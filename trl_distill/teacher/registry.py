@@ -22,11 +22,13 @@ __all__ = ["TEACHER_KINDS", "BuildContext", "SourceForm", "TeacherKind", "build_
 
 @dataclass(frozen=True)
 class BuildContext:
-    """What a kind's builder may read: the run's arguments, the student and its tokenizer."""
+    """What a kind's builder may read: the run's arguments, the student and its tokenizer, and the attention a model
+    teacher loads with under sequence parallelism (the plan's `Parallelism.attn_implementation`; None without it)."""
 
     args: Any
     student: Any
     processing_class: Any
+    attention: str | None = None
 
 
 def describe(teachers: Sequence[TeacherSpec], args, teacher_model=None) -> list[TeacherSpec]:

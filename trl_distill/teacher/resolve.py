@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 from transformers import PreTrainedModel, TrainingArguments
 
 from ..data.prepare import tokenizer_of
+from ..rollout.objective_checks import refuse_own_text
 from ..runtime.sequence_parallel import check_models_before_loading
 from .base import TeacherSource
 from .cached import CachedTeacher
@@ -24,12 +26,15 @@ from .served import ServedTeacher
 from .specs import TeacherSpec
 from .support import ARGS_MODES, TEACHER_PROMPT_REFUSAL, active_modes, matrix
 
+if TYPE_CHECKING:
+    from ..run_plan import RunPlan
+
 logger = logging.getLogger(__name__)
 
 def _model(spec: TeacherSpec, context: BuildContext) -> LiveTeacher:
     """A model: live, or cross-tokenizer when its tokenizer maps tokens to other ids than the student's."""
     source = _live_or_cross(spec.model, context.args, context.student, context.processing_class,
-                            spec.init_kwargs or None)
+                            spec.init_kwargs or None, context.attention)
     if spec.deepspeed is not None:
         source.deepspeed_config = spec.deepspeed
     if spec.fsdp is not None:
@@ -88,19 +93,23 @@ def refuse_unsupported(args) -> None:
                     raise ValueError(kind.refused[mode])
 
 
-def resolve_teacher(teacher_model, args, *, teachers: tuple[TeacherSpec, ...], weights: tuple[float, ...] | None,
-                    student, processing_class, eval_dataset, peft_config) -> TeacherSource:
+def resolve_teacher(teacher_model, args, plan: RunPlan, *, student, processing_class, eval_dataset,
+                    peft_config) -> TeacherSource:
     """The teacher this run distils from, its refusals checked: each spec `registry.describe` gives built by its
-    kind (`TEACHER_KINDS`), several (`teachers`, mixed with `weights`: the run plan's) as one `panel.TeacherPanel`,
-    none (alpha 0) as `NoTeacher`."""
+    kind (`TEACHER_KINDS`), several (the plan's `teachers`, mixed with its `teacher_weights`) as one
+    `panel.TeacherPanel`, none (alpha 0) as `NoTeacher`."""
+    on_policy = plan.on_policy  # a teacher object given: the own-text check the config's checks left to here
+    refuse_own_text(plan.alpha, on_policy.lmbda, bool(on_policy.task_rewards.funcs), teacher_model is not None)
     if isinstance(teacher_model, TrainingArguments):
         raise TypeError("DistillationTrainer(model, teacher_model, args, ...): "
                         "the second positional argument is the teacher. Pass the training arguments by keyword, "
                         "`args=...`.")
-    check_models_before_loading(args, student, teacher_model)  # sequence parallelism: the models' heads, attention
+    teachers, weights = plan.teachers, plan.teacher_weights
+    check_models_before_loading(plan.parallelism.sequence_parallel_size, student,  # (their heads, attention)
+                                teacher_model if teacher_model is not None else args.teacher_model_name_or_path)
     peft = peft_config is not None or hasattr(student, "disable_adapter")
     _check_single_teacher_flags(teacher_model, args, teachers)
-    context = BuildContext(args, student, processing_class)
+    context = BuildContext(args, student, processing_class, plan.parallelism.attn_implementation)
     specs = describe(teachers, args, teacher_model)
     if teachers:
         return resolve_panel(specs, weights, context, eval_dataset, peft)
@@ -166,10 +175,13 @@ def resolve_panel(specs: list[TeacherSpec], weights: tuple[float, ...] | None, c
     return TeacherPanel(members, args.teacher_combine, None if weights is None else list(weights), args.teacher_column)
 
 
-def _live_or_cross(teacher_model, args, student, processing_class, init_kwargs=None) -> LiveTeacher:
+def _live_or_cross(teacher_model, args, student, processing_class, init_kwargs=None, attention=None) -> LiveTeacher:
     """A `LiveTeacher` with its own tokenizer (when it has one), or a `CrossTokenizerTeacher` when that tokenizer
-    maps tokens to other ids than the student's (or `args.cross_tokenizer` says so)."""
+    maps tokens to other ids than the student's (or `args.cross_tokenizer` says so); loaded with `attention` (sequence
+    parallelism's) unless its own kwargs name one."""
     init_kwargs = args.teacher_model_init_kwargs if init_kwargs is None else init_kwargs
+    if attention is not None:
+        init_kwargs = {"attn_implementation": attention, **(init_kwargs or {})}
     live = LiveTeacher(teacher_model, init_kwargs)
     tokenizer = load_teacher_tokenizer(args.teacher_tokenizer_name_or_path, live.source)
     mine = processing_class or tokenizer_of(student) if tokenizer is not None else None
