@@ -51,8 +51,8 @@ ALLOWED = {
     "runtime/run_lock.py:take_run_lock": "collective: the config's device and distributed_state",
     "runtime/run_lock.py:_collective": "collective: the config's device and distributed_state",
     "loss/settings.py:LossSettings.of": "builds the plan's loss part (and the step's, from the config as it is now)",
-    "loss/sampled_token.py:SampledTokenSettings.of": "builds the sampled-token step's settings (the step path)",
-    "rollout/sampling.py:Sampling.from_args": "builds the plan's sampling part (and the rollout engine's)",
+    "loss/sampled_token.py:SampledTokenSettings.of": "builds the plan's sampled-token part (OnPolicyPlan)",
+    "rollout/sampling.py:Sampling.from_args": "builds the plan's sampling part",
     "cli/plan.py:_specs": "`trl-distill plan`'s own PlanArguments, not a DistillationConfig",
 }
 CHECKS = {key for key, why in ALLOWED.items() if why.startswith((CHECK, "__post_init__"))} - {"run_plan.py:resolve"}

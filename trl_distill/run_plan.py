@@ -14,6 +14,7 @@ from typing import Any
 
 from .evaluation.checks import check_generation_eval_args
 from .evaluation.verifiers import as_names
+from .loss.sampled_token import SampledTokenSettings
 from .loss.settings import LossSettings
 from .rollout.engine_checks import check_engine_args
 from .rollout.objective_checks import check_objective_args
@@ -49,6 +50,7 @@ class OnPolicyPlan:
     use_vllm: bool
     seed: int  # the run's: which steps sample (with `lmbda`, `rollout.sampling.completion_source`)
     task_rewards: TaskRewardPlan = TaskRewardPlan()
+    sampled_token: SampledTokenSettings = SampledTokenSettings()  # the sampled-token objective's coefficients
 
     @property
     def samples(self) -> bool:
@@ -197,7 +199,8 @@ def _plan(args, teachers: tuple[TeacherSpec, ...], weights: tuple[float, ...] | 
         on_policy=OnPolicyPlan(args.lmbda, args.seq_kd, Sampling.from_args(args), args.on_policy_objective,
                                args.use_vllm, args.seed, TaskRewardPlan(as_names(args.task_reward_funcs),
                                                                         args.eval_answer_column,
-                                                                        args.eval_answer_pattern)),
+                                                                        args.eval_answer_pattern),
+                               SampledTokenSettings.of(args)),
         evaluation=evaluation,
         precision=Precision(bool(args.bf16), bool(args.fp16)),
         parallelism=Parallelism(bool(args.deepspeed), bool(args.teacher_deepspeed), size,

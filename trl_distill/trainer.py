@@ -405,8 +405,8 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
             # `num_items_in_batch` counts every rank's tokens and DeepSpeed/DDP average gradients across ranks
             scale = self.accelerator.num_processes // self.get_tp_size()
             loss, kd, ce = loss * scale, kd * scale, ce * scale
-            # DeepSpeed sums a sequence group's gradients
-            loss = sequence_parallel.gradient_scaled(loss, self.run_plan.parallelism)
+            if self.run_plan.parallelism.sequence_parallel_size > 1:  # DeepSpeed sums a sequence group's gradients
+                loss = sequence_parallel.gradient_scaled(loss, self.run_plan.parallelism)
         if aux is not None:  # a per-micro-batch mean, weighted as SFTTrainer weights it (the Trainer averages
             # the micro-batches' loss over accumulation when it does not count the tokens itself)
             steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1

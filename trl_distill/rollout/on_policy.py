@@ -18,7 +18,7 @@ import torch
 
 from ..data.batch import add_extras, extras_of, pop_extra
 from ..loss.rollout_correction import RolloutCorrection
-from ..loss.sampled_token import SampledTokenJob, SampledTokenSettings
+from ..loss.sampled_token import SampledTokenJob
 from ..runtime.fsdp2 import is_fsdp2
 from ..teacher.capabilities import SEQ_KD_REFUSAL, Samples, SamplingServer, ScoresSamples, required
 from .sampling import DATASET, STUDENT, Sampling, completion_source, seeded
@@ -279,10 +279,9 @@ class CompletionSampler:
         student's own samples under it; else None (the divergence). Takes the rows' columns off the batch."""
         pop_extra(inputs, "task_columns")
         rewards = pop_extra(inputs, "task_rewards")
-        args = self.context.args
-        if args.on_policy_objective != "sampled_token" or not (training and self.on_policy):
+        if self.plan.objective != "sampled_token" or not (training and self.on_policy):
             return None
-        return SampledTokenJob(SampledTokenSettings.of(args), rewards)
+        return SampledTokenJob(self.plan.sampled_token, rewards)
 
     def observe(self, correction: RolloutCorrection | None, sampled: SampledTokenJob | None = None) -> None:
         """After the loss: count the trainer-vs-engine log-prob gaps it recorded, and the objective's counts."""
