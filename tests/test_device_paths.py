@@ -142,7 +142,8 @@ def test_the_cross_tokenizer_teachers_rows_and_signal_on_the_device(objective):
     class Teacher(CrossTokenizerTeacher):  # its states: seeded random logits at the positions asked for
         def __init__(self):
             shared = SharedVocabulary(torch.arange(6), torch.arange(6), torch.tensor([6, 7]), torch.tensor([6, 7]))
-            self.loss, self.args = CrossTokenizerLoss(shared), SimpleNamespace(on_policy_objective=objective)
+            self.loss = CrossTokenizerLoss(shared)
+            self.context = SimpleNamespace(plan=SimpleNamespace(on_policy=SimpleNamespace(objective=objective)))
 
         def features(self, inputs, positions):
             logits = torch.randn(2, 16, vocab)
@@ -272,7 +273,7 @@ def test_sampled_rows_rendered_for_a_teacher_of_another_tokenizer_on_the_device(
     student, other = build_tokenizer(), build_sentencepiece_style_tokenizer(vocab_size=300)
     teacher = CrossTokenizerTeacher.__new__(CrossTokenizerTeacher)  # its tokenizers and settings only
     teacher.student_tokenizer, teacher.teacher_tokenizer = student, other
-    teacher.args = SimpleNamespace(max_length=64, teacher_prompt=None)
+    teacher.settings = SimpleNamespace(max_length=64, prompt=None)
     teacher.sampled_rows = {"rows": 0, "unaligned": 0}
     prompt, completion = student("the cat sat")["input_ids"], student(" on the mat")["input_ids"]
     cross = CrossTokenizerBatch(None, None, None, [other("the cat sat")["input_ids"]], None)

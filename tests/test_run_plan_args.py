@@ -27,13 +27,10 @@ ALLOWED = {
     "teacher/privileged.py:check_teacher_prompt_args": CHECK,
     "teacher/resolve.py:refuse_unsupported": CHECK,
     "teacher/specs.py:check_teachers": CHECK + "; parses several teachers into the plan's specs",
-    "teacher/support.py:active_modes": CHECK + " and by the teacher kinds' refusals",
+    "teacher/support.py:active_modes": CHECK + " (and the plan's TeacherSettings.modes, which the kinds' refusals "
+                                       "read)",
     "teacher/capabilities.py:ChecksArgs.check_args": CHECK + " (refuse_unsupported, per kind)",
     "teacher/served.py:ServedTeacher.check_args": CHECK + " (refuse_unsupported, per kind)",
-    "teacher/base.py:TeacherSource.refuse": "a kind's refusals, as the teacher is built before anything loads: they "
-                                            "need the trainer's eval_dataset and peft, which resolve has not",
-    "teacher/cross_tokenizer.py:CrossTokenizerTeacher.refuse": "its kind's refusals (TeacherSource.refuse)",
-    "teacher/self_distill.py:SelfTeacher.refuse": "its kind's refusals (TeacherSource.refuse)",
     "teacher/resolve.py:check_cacheable_teacher": "a check of the config by `trl-distill cache-teacher`, before it "
                                                   "rewrites the config for the caching run",
     "config_checks.py:check_each_field": "__post_init__'s single-field checks",
@@ -51,6 +48,8 @@ ALLOWED = {
     "runtime/run_lock.py:take_run_lock": "collective: the config's device and distributed_state",
     "runtime/run_lock.py:_collective": "collective: the config's device and distributed_state",
     "loss/settings.py:LossSettings.of": "builds the plan's loss part (and the step's, from the config as it is now)",
+    "teacher/settings.py:TeacherSettings.of": "builds the plan's teacher part (and, for their checks before the plan, "
+                                              "refuse_unsupported's and the CLI's check_teacher_flags')",
     "loss/sampled_token.py:SampledTokenSettings.of": "builds the plan's sampled-token part (OnPolicyPlan)",
     "rollout/sampling.py:Sampling.from_args": "builds the plan's sampling part",
     "cli/plan.py:_specs": "`trl-distill plan`'s own PlanArguments, not a DistillationConfig",
@@ -100,7 +99,7 @@ def test_only_the_listed_functions_take_the_whole_config():
     taking = {key for key, node in functions.items() if _takes_the_config(node)}
     assert sorted(taking - ALLOWED.keys()) == [], "take a typed part of the run plan (run_plan.RunPlan) instead"
     assert sorted(ALLOWED.keys() - taking) == []  # (the list stays that of what takes the config)
-    assert len(ALLOWED) == 39
+    assert len(ALLOWED) == 37
 
 
 def test_the_checks_of_the_config_run_from_resolve_or_as_it_is_built():

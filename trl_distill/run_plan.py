@@ -26,6 +26,7 @@ from .runtime.sequence_parallel import attention_implementation, check_sequence_
 from .runtime.validation import refuse_quantization_without_gpu
 from .teacher.privileged import check_teacher_prompt_args
 from .teacher.resolve import refuse_unsupported
+from .teacher.settings import TeacherSettings
 from .teacher.specs import TeacherSpec, check_teachers
 
 
@@ -101,15 +102,6 @@ class Parallelism:
 
 
 @dataclass(frozen=True)
-class TeacherPaths:
-    """What the one teacher's flags name (several teachers: `RunPlan.teachers`)."""
-
-    model: str | None  # `teacher_model_name_or_path` (a `teacher_model` given to the trainer comes first)
-    cache: str | None  # `teacher_cache`
-    tokenizer: str | None  # `teacher_tokenizer_name_or_path`
-
-
-@dataclass(frozen=True)
 class TeacherEngine:
     """What a live teacher's own DeepSpeed engine is built from (`teacher.live.LiveTeacher.plugin`): its config as
     given, and the student's values that its ``"auto"`` entries take (`deepspeed_config.build_teacher_config`)."""
@@ -133,7 +125,7 @@ class RunPlan:
 
     teachers: tuple[TeacherSpec, ...]  # several teachers; empty for one (or none)
     teacher_weights: tuple[float, ...] | None  # what several teachers mix with (None: routed, or one teacher)
-    teacher_paths: TeacherPaths
+    teacher_settings: TeacherSettings  # what building and running the teachers reads (their paths among it)
     loss: LossSettings  # its `vocab_size` is the models', known once they load
     alpha: float
     on_policy: OnPolicyPlan
@@ -192,8 +184,7 @@ def _plan(args, teachers: tuple[TeacherSpec, ...], weights: tuple[float, ...] | 
     return RunPlan(
         teachers=teachers,
         teacher_weights=weights,
-        teacher_paths=TeacherPaths(args.teacher_model_name_or_path, args.teacher_cache,
-                                   args.teacher_tokenizer_name_or_path),
+        teacher_settings=TeacherSettings.of(args),
         loss=LossSettings.of(args, None),
         alpha=args.alpha,
         on_policy=OnPolicyPlan(args.lmbda, args.seq_kd, Sampling.from_args(args), args.on_policy_objective,

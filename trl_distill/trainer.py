@@ -92,11 +92,11 @@ class DistillationTrainer(TrainerInternals, SFTTrainer):
         args = DistillationConfig(output_dir="distilled-model") if args is None else as_distillation_config(args)
         plan = self.run_plan = resolve(args)  # how the fields combine, checked once before anything loads
         setup_logging(args)  # rank 0 says what it does (log_level), the others stay quiet (log_level_replica)
-        check_output_dir(args.output_dir, run_inputs(plan.teacher_paths, model, teacher_model,
+        check_output_dir(args.output_dir, run_inputs(plan.teacher_settings.paths, model, teacher_model,
                                                      (train_dataset, eval_dataset), plan.teachers))
         refuse_if_locked(args)  # another live run holds output_dir: one line on every rank before anything loads
         check_dataset_not_empty(train_dataset, "train", "given")
-        self.teacher = resolve_teacher(teacher_model, args, plan, student=model, processing_class=processing_class,
+        self.teacher = resolve_teacher(teacher_model, plan, student=model, processing_class=processing_class,
                                        eval_dataset=eval_dataset, peft_config=peft_config)  # the one teacher source
         train_dataset = can.routed_rows(self.teacher, train_dataset, eval_dataset)  # several teachers: each row's
         processing_class = processing_class or can.student_tokenizer_of(self.teacher)

@@ -271,7 +271,8 @@ def test_groups_land_on_their_own_loss_rows_and_nowhere_else():
 
     class Positions(CrossTokenizerTeacher):  # its states are its positions: which ones were asked shows in the result
         def __init__(self):
-            self.loss, self.args = None, SimpleNamespace(on_policy_objective="divergence")
+            self.loss = None
+            self.context = SimpleNamespace(plan=SimpleNamespace(on_policy=SimpleNamespace(objective="divergence")))
 
         def features(self, inputs, positions):
             states = positions.float().reshape(1, -1, 1).expand(2, -1, 1)

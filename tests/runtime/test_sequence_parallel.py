@@ -207,11 +207,12 @@ def test_both_models_load_with_the_exchanged_attention(monkeypatch, tiny_pair, t
     assert args.model_init_kwargs["attn_implementation"] == "sdpa"
     assert args.teacher_model_init_kwargs is None and attention_implementation(args) == "sdpa"
     plan = replace(plain, parallelism=Parallelism(True, False, 2, attention_implementation(args)))
-    teacher = resolve_teacher(tiny_pair["teacher"], config, plan, student=tiny_pair["student"], processing_class=None,
+    teacher = resolve_teacher(tiny_pair["teacher"], plan, student=tiny_pair["student"], processing_class=None,
                               eval_dataset=None, peft_config=None)
     assert teacher.init_kwargs["attn_implementation"] == "sdpa"
-    config.teacher_model_init_kwargs = {"attn_implementation": "eager", "revision": "main"}
-    teacher = resolve_teacher(tiny_pair["teacher"], config, plan, student=tiny_pair["student"], processing_class=None,
+    own = {"attn_implementation": "eager", "revision": "main"}  # teacher_model_init_kwargs naming its own attention
+    plan = replace(plan, teacher_settings=replace(plan.teacher_settings, init_kwargs=own))
+    teacher = resolve_teacher(tiny_pair["teacher"], plan, student=tiny_pair["student"], processing_class=None,
                               eval_dataset=None, peft_config=None)
     assert teacher.init_kwargs == {"attn_implementation": "eager", "revision": "main"}
 

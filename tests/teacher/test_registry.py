@@ -12,6 +12,7 @@ from trl_distill import DistillationConfig, DistillationTrainer
 from trl_distill.run_plan import resolve
 from trl_distill.teacher import CachedTeacher, LiveTeacher, SelfTeacher, ServedTeacher
 from trl_distill.teacher.registry import TEACHER_KINDS, TeacherKind, describe, register_teacher_kind, teacher_kind
+from trl_distill.teacher.settings import TeacherSettings
 from trl_distill.teacher.specs import TeacherSpec
 from trl_distill.testing import synthetic_prompt_completion
 
@@ -32,16 +33,22 @@ def test_each_kind_is_registered_once_by_name_with_the_class_whose_refusals_it_c
 def described(args) -> list[TeacherSpec]:
     """The run's teachers as the trainer describes them: the plan's several (parsed by `resolve`), else the one of
     the single-teacher flags."""
-    return describe(resolve(args).teachers, args)
+    plan = resolve(args)
+    return describe(plan.teachers, plan.teacher_settings)
+
+
+def single(args) -> list[TeacherSpec]:
+    """The one teacher of the single-teacher flags, as a spec (none without a teacher)."""
+    return describe((), TeacherSettings.of(args))
 
 
 def test_the_single_teacher_flags_and_the_teacher_list_describe_the_run_as_specs(tmp_path):
-    assert describe((), config(tmp_path, teacher_model_name_or_path="/m")) == [TeacherSpec("teacher", model="/m")]
-    assert describe((), config(tmp_path, teacher_model_name_or_path="self"))[0].kind == "self"
-    assert describe((), config(tmp_path, teacher_cache="/c")) == [TeacherSpec("teacher", cache="/c")]
-    served = describe((), config(tmp_path, teacher_server="http://h:8000", teacher_model_name_or_path="big"))
+    assert single(config(tmp_path, teacher_model_name_or_path="/m")) == [TeacherSpec("teacher", model="/m")]
+    assert single(config(tmp_path, teacher_model_name_or_path="self"))[0].kind == "self"
+    assert single(config(tmp_path, teacher_cache="/c")) == [TeacherSpec("teacher", cache="/c")]
+    served = single(config(tmp_path, teacher_server="http://h:8000", teacher_model_name_or_path="big"))
     assert served == [TeacherSpec("teacher", server="http://h:8000", served_model="big")]
-    assert describe((), config(tmp_path, alpha=0.0)) == []
+    assert single(config(tmp_path, alpha=0.0)) == []
     several = config(tmp_path, teachers=["a=/m", "b=cache:/c", "c=http://h:8000"], teacher_combine="sum")
     # the list parsed into specs, as the trainer and the command line resolve it
     assert [(s.name, s.kind) for s in described(several)] == [("a", "model"), ("b", "cache"), ("c", "server")]
@@ -96,7 +103,7 @@ def test_a_trainer_builds_its_teacher_through_the_registry(tiny_pair, tmp_path, 
     built = []
 
     def build(spec, context):
-        built.append((spec, context.args.teacher_model_name_or_path))
+        built.append((spec, context.settings.paths.model))
         return LiveTeacher(spec.model, None)
 
     monkeypatch.setitem(TEACHER_KINDS, "model", TeacherKind("model", LiveTeacher, build))

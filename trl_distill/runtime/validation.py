@@ -15,7 +15,7 @@ import torch
 from ..errors import ExternalError
 
 if TYPE_CHECKING:
-    from ..run_plan import TeacherPaths
+    from ..teacher.settings import TeacherPaths
 
 logger = logging.getLogger(__name__)
 

@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from .support import active_modes
+from .support import run_modes
 
 if TYPE_CHECKING:
     from ..loss.settings import LossSettings
     from ..loss.signal import TeacherSignal
     from ..model.fused_forward import LMHead
     from ..runtime.context import RunContext
+    from .settings import TeacherSettings
 
 C = TypeVar("C")
 
@@ -58,10 +59,10 @@ class TeacherSource(ABC):
     """The run it is attached to (`attach`); None before, and for a teacher prepared on its own."""
 
     @classmethod
-    def refuse(cls, args, *, eval_dataset=None, peft: bool = False) -> None:
-        """One `ValueError` naming the fix when the run uses a setting this kind refuses (see `support`); asked
-        before the kind is built, so nothing is loaded or opened first."""
-        for mode in active_modes(args, eval_dataset=eval_dataset, peft=peft):
+    def refuse(cls, settings: TeacherSettings, *, eval_dataset=None, peft: bool = False) -> None:
+        """One `ValueError` naming the fix when the run (its teacher `settings`, eval split and student) uses a
+        setting this kind refuses (see `support`); asked before the kind is built, so nothing is loaded first."""
+        for mode in run_modes(settings.modes, eval_dataset=eval_dataset, peft=peft):
             if mode in cls.refused:
                 raise ValueError(cls.refused[mode])
 

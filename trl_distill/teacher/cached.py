@@ -59,7 +59,9 @@ class CachedTeacher(TeacherSource, TrainRows, OwnBatch):
         if not hasattr(dataset, "add_column") or "labels" not in dataset.column_names:
             raise ValueError("Training from a teacher cache needs a prepared (map-style) train dataset with `labels`, "
                              "as SFT's dataset preparation makes it (not an IterableDataset or skip_prepare_dataset).")
-        self.cache.check_fits(run.processing_class, run.vocab_size, run.args.temperature, run.args.max_length, dataset)
+        # (the temperature as the loss reads it: from the run's arguments, live)
+        self.cache.check_fits(run.processing_class, run.vocab_size, run.args.temperature,
+                              run.plan.teacher_settings.max_length, dataset)
         return dataset.add_column(self.row_column, np.arange(len(dataset), dtype=np.int64))
 
     def collator(self, base) -> CachedTeacherCollator:

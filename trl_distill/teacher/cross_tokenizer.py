@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
+from accelerate import PartialState
 from torch.nn.utils.rnn import pad_sequence
 
 from ..cross_tokenizer.data import align_example, teacher_prompt_ids
@@ -32,6 +33,7 @@ from .base import TeacherBatch
 from .capabilities import OwnBatch, PreparesDataset, RoutesRows, StudentTokenizer, WritesCache, unrouted
 from .live import LiveTeacher
 from .privileged import prompt_tokens, teacher_prompt_of
+from .settings import TeacherSettings
 from .teacher_prompts import check_teacher_prompts, splits
 
 logger = logging.getLogger(__name__)
@@ -58,16 +60,17 @@ class CrossTokenizerTeacher(LiveTeacher, RoutesRows, PreparesDataset, OwnBatch, 
     }
     routes_own_rows = False  # its own ids come with the whole batch (routed, the loss picks its rows)
 
-    def __init__(self, source, init_kwargs: dict | None, student_tokenizer, teacher_tokenizer, args):
+    def __init__(self, source, init_kwargs: dict | None, student_tokenizer, teacher_tokenizer,
+                 settings: TeacherSettings):
         super().__init__(source, init_kwargs)
-        self.student_tokenizer, self.teacher_tokenizer, self.args = student_tokenizer, teacher_tokenizer, args
+        self.student_tokenizer, self.teacher_tokenizer, self.settings = student_tokenizer, teacher_tokenizer, settings
         self.loss = None  # set as it attaches, once the models' vocabularies are known
         self.sampled_rows = {"rows": 0, "unaligned": 0}  # sampled completions scored, and those with no group
 
     @classmethod
-    def refuse(cls, args, *, eval_dataset=None, peft: bool = False) -> None:
-        super().refuse(args, eval_dataset=eval_dataset, peft=peft)
-        if args.seq_kd:
+    def refuse(cls, settings: TeacherSettings, *, eval_dataset=None, peft: bool = False) -> None:
+        super().refuse(settings, eval_dataset=eval_dataset, peft=peft)
+        if settings.seq_kd:
             raise ValueError("A teacher with another tokenizer (cross-tokenizer distillation) does not support seq_kd "
                              "yet: it would sample in its own tokens. Set seq_kd=False (on-policy lmbda > 0 works: "
                              "the student's samples are re-rendered for the teacher).")
@@ -110,8 +113,7 @@ class CrossTokenizerTeacher(LiveTeacher, RoutesRows, PreparesDataset, OwnBatch, 
                              f"lm_head only {teacher_vocab} rows: that tokenizer is not the teacher's (set "
                              "teacher_tokenizer_name_or_path to the one it was trained with).")
         vocabulary = shared_vocabulary(self.student_tokenizer, self.teacher_tokenizer, student_vocab, teacher_vocab)
-        self.loss = CrossTokenizerLoss(vocabulary, settings, self.args.cross_tokenizer_matched_weight,
-                                       self.args.cross_tokenizer_uld_weight)
+        self.loss = CrossTokenizerLoss(vocabulary, settings, self.settings.matched_weight, self.settings.uld_weight)
         weights = self.loss.weights
         if announce:  # once per run: the main process says it
             logger.warning("trl_distill: the teacher's tokenizer differs from the student's: cross-tokenizer "
@@ -123,9 +125,9 @@ class CrossTokenizerTeacher(LiveTeacher, RoutesRows, PreparesDataset, OwnBatch, 
     def route_rows(self, train_dataset, eval_dataset):
         """With `teacher_prompt`: every raw row has a teacher prompt of at least one of the teacher's tokens, checked
         before anything loads."""
-        if self.args.teacher_prompt is not None:
+        if self.settings.prompt is not None:
             for split, dataset in splits(train_dataset, eval_dataset):
-                check_teacher_prompts(self.args.teacher_prompt, dataset, split,
+                check_teacher_prompts(self.settings.prompt, dataset, split,
                                       lambda prompt: prompt_tokens(self.teacher_tokenizer, prompt))
         return unrouted(train_dataset)
 
@@ -136,7 +138,7 @@ class CrossTokenizerTeacher(LiveTeacher, RoutesRows, PreparesDataset, OwnBatch, 
             raise ValueError("Cross-tokenizer distillation needs a map-style dataset (not an IterableDataset): every "
                              "row is aligned for the teacher before training.")
         eos = self.student_tokenizer.eos_token
-        limit = self.args.max_length
+        limit = self.settings.max_length
 
         def columns(example, index):
             raw = {key: value[: -len(eos)] if key in ("text", "completion") and isinstance(value, str) and eos
@@ -155,10 +157,10 @@ class CrossTokenizerTeacher(LiveTeacher, RoutesRows, PreparesDataset, OwnBatch, 
             return {TEACHER_IDS: teacher_ids, STUDENT_POSITIONS: [s for s, _ in pairs],
                     TEACHER_POSITIONS: [t for _, t in pairs], TEACHER_PROMPT: prompt}
 
-        dataset = dataset.map(columns, with_indices=True, num_proc=self.args.dataset_num_proc,
+        dataset = dataset.map(columns, with_indices=True, num_proc=self.settings.dataset_num_proc,
                               desc=f"Aligning {name} for the teacher")
         unaligned = sum(1 for positions in dataset[STUDENT_POSITIONS] if not positions)
-        if unaligned and self.args.process_index == 0:
+        if unaligned and PartialState().is_main_process:
             logger.warning("trl_distill: %d of %d %s rows have no completion text both tokenizers can align; they "
                            "train on CE only.", unaligned, len(dataset), name)
         return dataset
@@ -167,14 +169,14 @@ class CrossTokenizerTeacher(LiveTeacher, RoutesRows, PreparesDataset, OwnBatch, 
         """How many more tokens the teacher's row may hold than `max_length`: with `teacher_prompt`, its excess over
         the teacher's tokens of the row's own prompt, so that a long teacher prompt leaves the completion the
         room it has without one (the teacher reads its whole teacher prompt, as on the student's tokenizer)."""
-        if self.args.teacher_prompt is None:
+        if self.settings.prompt is None:
             return 0
         return max(0, len(teacher_prompt) - len(teacher_prompt_ids(raw, self.teacher_tokenizer)))
 
     def teacher_example(self, raw: dict, split: str, index: int) -> dict:
         """What the teacher renders of row `index`: the row itself, or with `teacher_prompt` (privileged context) its
         teacher prompt in place of its prompt, before the same completion."""
-        spec = self.args.teacher_prompt
+        spec = self.settings.prompt
         if spec is None:
             return raw
         prompt = teacher_prompt_of(spec, raw, split, index)
@@ -196,14 +198,14 @@ class CrossTokenizerTeacher(LiveTeacher, RoutesRows, PreparesDataset, OwnBatch, 
         if prompts is None:
             raise ValueError("Sampled completions across tokenizers need the teacher's prompt tokens of their rows: "
                              "the batch they replace carries none.")
-        eos, limit = self.student_tokenizer.eos_token_id, self.args.max_length
+        eos, limit = self.student_tokenizer.eos_token_id, self.settings.max_length
         examples = []
         for labels, prompt in zip(batch["labels"], prompts, strict=True):
             where = (labels != -100).nonzero().squeeze(1)
             start, completion = (int(where[0]), labels[where].tolist()) if len(where) else (len(labels), [])
             teacher_ids, groups = align_sampled(completion, bool(completion) and completion[-1] == eos,
                                                 self.student_tokenizer, self.teacher_tokenizer) if prompt else ([], [])
-            bound = limit + (len(prompt) if self.args.teacher_prompt is not None else 0) if limit else None
+            bound = limit + (len(prompt) if self.settings.prompt is not None else 0) if limit else None
             ids = (list(prompt) + teacher_ids)[:bound]  # (a teacher prompt leaves the sample max_length tokens)
             kept = [g for g in groups if start + g.student[0] > 0 and len(prompt) + g.teacher[0] > 0
                     and len(prompt) + g.teacher[1] <= len(ids)]
@@ -218,7 +220,7 @@ class CrossTokenizerTeacher(LiveTeacher, RoutesRows, PreparesDataset, OwnBatch, 
     def release(self) -> None:
         super().release()
         rows, unaligned = self.sampled_rows.values()
-        if unaligned and self.args.process_index == 0:
+        if unaligned and PartialState().is_main_process:
             logger.warning("trl_distill: %d of %d sampled completions have no text both tokenizers can align; they "
                            "trained on CE only.", unaligned, rows)
         self.sampled_rows = dict.fromkeys(self.sampled_rows, 0)
@@ -237,7 +239,7 @@ class CrossTokenizerTeacher(LiveTeacher, RoutesRows, PreparesDataset, OwnBatch, 
         rows, s_pos, t_pos, flat = rows[valid], s_pos[valid], t_pos[valid], flat[valid]
         # the sampled-token objective reads the student's samples (their groups' token counts come with them); an
         # eval batch of the dataset's completions is scored by the divergence
-        sampled_token = self.args.on_policy_objective == "sampled_token" and lengths is not None
+        sampled_token = self.context.plan.on_policy.objective == "sampled_token" and lengths is not None
         spans = lengths[valid] if sampled_token else None
         reach = torch.cat([t_pos, *([] if spans is None else [group_spread(t_pos, spans[:, 1])])])
         keep_t = torch.unique(reach)  # each group's first position; with the sampled tokens, all of its positions

@@ -2,7 +2,8 @@
 
 Each kind registers (`register_kind`) its name, how its SOURCE is recognised (`SourceForm`: ``cache:DIR``, an
 ``http(s)://`` URL, ``self``, any other path or hub id), its class (whose refusals a run checks before building it),
-its builder, and its rows of the support matrix. `specs.parse_teacher` and `specs.TeacherSpec.kind` ask it which
+its builder (``build(spec, context)``: the context a `registry.BuildContext`, the run's `settings.TeacherSettings`
+and its student), and its rows of the support matrix. `specs.parse_teacher` and `specs.TeacherSpec.kind` ask it which
 kind a SOURCE or a spec is (`kind_of_source`, `kind_of`); `registry.build_teacher` builds it.
 """
 
@@ -57,8 +58,8 @@ class TeacherKind:
     default one, its name: its class). `checked_early`: the arguments alone name its class, so its refusals of the
     modes they decide are checked as the config is built (a model waits for its tokenizer). `mixes`: it gives its
     whole distribution, which a mixture of teachers (``teacher_combine='mixture'``) can mix. `once`: several teachers
-    list it at most once (the student's own base). `check_flags(spec, args, use_peft)`: the CLI's checks of its
-    flags that need no model (a model's path)."""
+    list it at most once (the student's own base). `check_flags(spec, settings, use_peft)`: the CLI's checks of its
+    flags that need no model (a model's path), from the run's `settings.TeacherSettings`."""
 
     name: str
     source_class: type[TeacherSource]

@@ -89,9 +89,9 @@ class LiveTeacher(TeacherSource, OwnEngine, OwnVocabulary, StepHooks, LogitCheck
     label = "teacher"
     """What the logit-path check calls it."""
     deepspeed_config = None
-    """Its own DeepSpeed config (path, JSON string or dict); None: `args.teacher_deepspeed`, else derived."""
+    """Its own DeepSpeed config (path, JSON string or dict); None: `teacher_deepspeed`, else derived."""
     fsdp_config = None
-    """Its own FSDP2 settings beside an FSDP2 student (as `teacher_fsdp_config`); None: `args.teacher_fsdp_config`."""
+    """Its own FSDP2 settings beside an FSDP2 student (as `teacher_fsdp_config`); None: `teacher_fsdp_config`."""
     routes_own_rows = True  # routed among several: its forward runs on its own rows only
 
     def __init__(self, source: str | os.PathLike | PreTrainedModel, init_kwargs: dict | None = None, tokenizer=None):
@@ -264,7 +264,7 @@ class LiveTeacher(TeacherSource, OwnEngine, OwnVocabulary, StepHooks, LogitCheck
 
     def shard_settings(self) -> TeacherShardSettings:
         """Its FSDP2 settings beside an FSDP2 student: its own (`fsdp_config`), else `teacher_fsdp_config`."""
-        given = self.context.args.teacher_fsdp_config if self.context is not None else None
+        given = self.context.plan.teacher_settings.fsdp_config if self.context is not None else None
         return TeacherShardSettings.parse(self.fsdp_config if self.fsdp_config is not None else given)
 
     def vocab_config(self, student_config):
@@ -274,7 +274,8 @@ class LiveTeacher(TeacherSource, OwnEngine, OwnVocabulary, StepHooks, LogitCheck
         """Its dtype follows the student's unless `teacher_model_init_kwargs` names one; its tokenizer must map tokens
         to the student's ids; the once-per-step pass gets the run."""
         super().attach(context)
-        if not is_fsdp2(context.accelerator) and (self.fsdp_config or context.args.teacher_fsdp_config) is not None:
+        given = context.plan.teacher_settings.fsdp_config
+        if not is_fsdp2(context.accelerator) and (self.fsdp_config or given) is not None:
             what = "`teacher_fsdp_config`" if self.fsdp_config is None else f"{self.label}'s `fsdp`"
             raise ValueError(f"{what} is set but the student does not use FSDP2. Launch with an FSDP2 config (e.g. "
                              "configs/accelerate/fsdp2_student_fsdp2_teacher.yaml, or fsdp_config={'fsdp_version': 2}) "
@@ -282,8 +283,8 @@ class LiveTeacher(TeacherSource, OwnEngine, OwnVocabulary, StepHooks, LogitCheck
         if not {"dtype", "torch_dtype"} & set(self.init_kwargs):  # (held whole beside a DeepSpeed student: the
             # dtype its ZeRO-3 engine would have cast it to; sharded beside an FSDP2 student: its own, else the
             # student's mixed precision)
-            args = context.args
-            dtype = (self.shard_settings().torch_dtype(context.student.dtype, args.bf16, args.fp16)
+            precision = context.plan.precision
+            dtype = (self.shard_settings().torch_dtype(context.student.dtype, precision.bf16, precision.fp16)
                      if is_fsdp2(context.accelerator) else self.whole_dtype or context.student.dtype)
             self.init_kwargs["dtype"] = dtype
         check_tokenizers_match(context.processing_class, self.tokenizer)

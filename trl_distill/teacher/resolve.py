@@ -23,8 +23,9 @@ from .no_teacher import SFT_ONLY, NoTeacher
 from .registry import BuildContext, build_teacher, describe
 from .self_distill import SELF, SelfTeacher
 from .served import ServedTeacher
+from .settings import TeacherSettings
 from .specs import TeacherSpec
-from .support import ARGS_MODES, TEACHER_PROMPT_REFUSAL, active_modes, matrix
+from .support import ARGS_MODES, TEACHER_PROMPT_REFUSAL, matrix
 
 if TYPE_CHECKING:
     from ..run_plan import RunPlan
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 def _model(spec: TeacherSpec, context: BuildContext) -> LiveTeacher:
     """A model: live, or cross-tokenizer when its tokenizer maps tokens to other ids than the student's."""
-    source = _live_or_cross(spec.model, context.args, context.student, context.processing_class,
+    source = _live_or_cross(spec.model, context.settings, context.student, context.processing_class,
                             spec.init_kwargs or None, context.attention)
     if spec.deepspeed is not None:
         source.deepspeed_config = spec.deepspeed
@@ -43,23 +44,22 @@ def _model(spec: TeacherSpec, context: BuildContext) -> LiveTeacher:
 
 
 def _server(spec: TeacherSpec, context: BuildContext) -> ServedTeacher:
-    args = context.args
-    return ServedTeacher(spec.server, spec.served_model, args.teacher_server_top_k, args.teacher_server_timeout,
-                         args.teacher_server_concurrency)
+    settings = context.settings
+    return ServedTeacher(spec.server, spec.served_model, settings.server_top_k, settings.server_timeout,
+                         settings.server_concurrency)
 
 
-def _self_flags(spec: TeacherSpec, args, use_peft: bool) -> None:
+def _self_flags(spec: TeacherSpec, settings: TeacherSettings, use_peft: bool) -> None:
     if not use_peft:
-        flag = "--teacher_model_name_or_path self" if args.teachers is None else f"--teachers {spec.name}=self"
+        flag = f"--teachers {spec.name}=self" if settings.several else "--teacher_model_name_or_path self"
         raise ValueError(f"{flag} (self-distillation: the teacher is the student's own base with its LoRA "
                          "adapters off) needs a LoRA student: add --use_peft.")
 
 
-def _model_flags(spec: TeacherSpec, args, use_peft: bool) -> None:
+def _model_flags(spec: TeacherSpec, settings: TeacherSettings, use_peft: bool) -> None:
     from ..runtime.validation import check_model_path
 
-    check_model_path(spec.model, "--teacher_model_name_or_path" if args.teachers is None else
-                     f"--teachers {spec.name}")
+    check_model_path(spec.model, f"--teachers {spec.name}" if settings.several else "--teacher_model_name_or_path")
 
 
 # A model (any path or hub id): live, or of another tokenizer (the support matrix's last row)
@@ -83,17 +83,18 @@ def refuse_unsupported(args) -> None:
     name its kind (a cache, a server; a model's kind waits for its tokenizer) and the mode."""
     if args.teachers is not None:
         return  # several: `specs.check_teachers` has checked what the arguments decide
-    for spec in describe((), args):
+    settings = TeacherSettings.of(args)
+    for spec in describe((), settings):
         if teacher_kind(spec.kind).checked_early:
             kind = teacher_kind(spec.kind).source_class
             if declares(kind, ChecksArgs):
                 kind.check_args(args)
-            for mode in active_modes(args):
+            for mode in settings.modes:
                 if mode in ARGS_MODES and mode in kind.refused:
                     raise ValueError(kind.refused[mode])
 
 
-def resolve_teacher(teacher_model, args, plan: RunPlan, *, student, processing_class, eval_dataset,
+def resolve_teacher(teacher_model, plan: RunPlan, *, student, processing_class, eval_dataset,
                     peft_config) -> TeacherSource:
     """The teacher this run distils from, its refusals checked: each spec `registry.describe` gives built by its
     kind (`TEACHER_KINDS`), several (the plan's `teachers`, mixed with its `teacher_weights`) as one
@@ -104,27 +105,27 @@ def resolve_teacher(teacher_model, args, plan: RunPlan, *, student, processing_c
         raise TypeError("DistillationTrainer(model, teacher_model, args, ...): "
                         "the second positional argument is the teacher. Pass the training arguments by keyword, "
                         "`args=...`.")
-    teachers, weights = plan.teachers, plan.teacher_weights
+    teachers, weights, settings = plan.teachers, plan.teacher_weights, plan.teacher_settings
     check_models_before_loading(plan.parallelism.sequence_parallel_size, student,  # (their heads, attention)
-                                teacher_model if teacher_model is not None else args.teacher_model_name_or_path)
+                                teacher_model if teacher_model is not None else settings.paths.model)
     peft = peft_config is not None or hasattr(student, "disable_adapter")
-    _check_single_teacher_flags(teacher_model, args, teachers)
-    context = BuildContext(args, student, processing_class, plan.parallelism.attn_implementation)
-    specs = describe(teachers, args, teacher_model)
+    _check_single_teacher_flags(teacher_model, settings, teachers)
+    context = BuildContext(settings, student, processing_class, plan.parallelism.attn_implementation)
+    specs = describe(teachers, settings, teacher_model)
     if teachers:
         return resolve_panel(specs, weights, context, eval_dataset, peft)
-    if not specs and args.alpha == 0:  # the SFT baseline: CE only, nothing to distil from
-        NoTeacher.refuse(args, eval_dataset=eval_dataset, peft=peft)
+    if not specs and plan.alpha == 0:  # the SFT baseline: CE only, nothing to distil from
+        NoTeacher.refuse(settings, eval_dataset=eval_dataset, peft=peft)
         logger.info(SFT_ONLY)
         return NoTeacher()
     if not specs:
         raise ValueError("No teacher: pass `teacher_model=` or set `teacher_model_name_or_path` in the config (or set "
                          "alpha=0 to train on the cross-entropy alone, as trl.SFTTrainer does).")
     teacher = build_teacher(specs[0], context, eval_dataset=eval_dataset, peft=peft)
-    return teacher if args.teacher_prompt is None else privileged(teacher, args, context)
+    return teacher if settings.prompt is None else privileged(teacher, context)
 
 
-def privileged(teacher: TeacherSource, args, context: BuildContext) -> TeacherSource:
+def privileged(teacher: TeacherSource, context: BuildContext) -> TeacherSource:
     """`teacher` reading `teacher_prompt` in place of each row's prompt: a live teacher on the student's tokenizer,
     or a served one (`privileged.PrivilegedTeacher`); a teacher of another tokenizer renders it itself, as it
     prepares its rows."""
@@ -135,24 +136,24 @@ def privileged(teacher: TeacherSource, args, context: BuildContext) -> TeacherSo
     if type(teacher) not in (LiveTeacher, ServedTeacher):  # (each other kind refuses the mode itself)
         raise ValueError(TEACHER_PROMPT_REFUSAL)
     tokenizer = context.processing_class or tokenizer_of(context.student)
-    return PrivilegedTeacher(teacher, args.teacher_prompt, getattr(tokenizer, "tokenizer", tokenizer))
+    return PrivilegedTeacher(teacher, context.settings.prompt, getattr(tokenizer, "tokenizer", tokenizer))
 
 
-def _check_single_teacher_flags(teacher_model, args, teachers: tuple[TeacherSpec, ...]) -> None:
+def _check_single_teacher_flags(teacher_model, settings: TeacherSettings, teachers: tuple[TeacherSpec, ...]) -> None:
     """What the trainer's `teacher_model` and the single-teacher flags cannot say together."""
     if teachers and teacher_model is not None:
         raise ValueError("Pass the teachers either as `teacher_model=` or as `args.teachers`, not both.")
-    model = teacher_model if teacher_model is not None else args.teacher_model_name_or_path
-    if args.teacher_server is not None:
-        if args.teacher_cache is not None:
+    model = teacher_model if teacher_model is not None else settings.paths.model
+    if settings.server is not None:
+        if settings.paths.cache is not None:
             raise ValueError("Pass either --teacher_server (a served teacher) or --teacher_cache (a cache of it) for "
                              "training, not both; `cache-teacher --teacher_server URL --teacher_cache DIR` writes the "
                              "cache from the server.")
         if model is not None and not isinstance(model, str):
             raise ValueError("With teacher_server the teacher runs on the server: pass its served name (a string) or "
                              "nothing as the teacher, not a model.")
-    elif args.teacher_cache is not None and model is not None:
-        logger.warning("Training from the teacher cache %s: the teacher %s is not loaded.", args.teacher_cache,
+    elif settings.paths.cache is not None and model is not None:
+        logger.warning("Training from the teacher cache %s: the teacher %s is not loaded.", settings.paths.cache,
                        model if isinstance(model, str) else "model")
 
 
@@ -163,30 +164,31 @@ def resolve_panel(specs: list[TeacherSpec], weights: tuple[float, ...] | None, c
     student's (routed or summed)."""
     from .panel import TeacherPanel
 
-    args = context.args
+    settings = context.settings
     members = {spec.name: build_teacher(spec, context, eval_dataset=eval_dataset, peft=peft) for spec in specs}
     foreign = [name for name, member in members.items() if isinstance(member, CrossTokenizerTeacher)]
-    if len(foreign) > 1 or foreign and args.teacher_combine == "mixture":
+    if len(foreign) > 1 or foreign and settings.combine == "mixture":
         raise ValueError(f"The teachers {foreign} have another tokenizer than the student's; "
                          + ("a mixture of distributions needs one vocabulary: every teacher must share the student's "
                             "tokenizer (or use --teacher_combine route or sum)." if len(foreign) == 1 else
                             "routed or summed, at most one teacher may have its own tokenizer (the others must share "
                             "the student's)."))
-    return TeacherPanel(members, args.teacher_combine, None if weights is None else list(weights), args.teacher_column)
+    return TeacherPanel(members, settings.combine, None if weights is None else list(weights), settings.column)
 
 
-def _live_or_cross(teacher_model, args, student, processing_class, init_kwargs=None, attention=None) -> LiveTeacher:
+def _live_or_cross(teacher_model, settings: TeacherSettings, student, processing_class, init_kwargs=None,
+                   attention=None) -> LiveTeacher:
     """A `LiveTeacher` with its own tokenizer (when it has one), or a `CrossTokenizerTeacher` when that tokenizer
-    maps tokens to other ids than the student's (or `args.cross_tokenizer` says so); loaded with `attention` (sequence
-    parallelism's) unless its own kwargs name one."""
-    init_kwargs = args.teacher_model_init_kwargs if init_kwargs is None else init_kwargs
+    maps tokens to other ids than the student's (or `settings.cross_tokenizer` says so); loaded with `attention`
+    (sequence parallelism's) unless its own kwargs name one."""
+    init_kwargs = settings.init_kwargs if init_kwargs is None else init_kwargs
     if attention is not None:
         init_kwargs = {"attn_implementation": attention, **(init_kwargs or {})}
     live = LiveTeacher(teacher_model, init_kwargs)
-    tokenizer = load_teacher_tokenizer(args.teacher_tokenizer_name_or_path, live.source)
+    tokenizer = load_teacher_tokenizer(settings.paths.tokenizer, live.source)
     mine = processing_class or tokenizer_of(student) if tokenizer is not None else None
-    if mine is not None and wants_cross_tokenizer(args.cross_tokenizer, mine, tokenizer):
-        return CrossTokenizerTeacher(live.source, init_kwargs, mine, tokenizer, args)
+    if mine is not None and wants_cross_tokenizer(settings.cross_tokenizer, mine, tokenizer):
+        return CrossTokenizerTeacher(live.source, init_kwargs, mine, tokenizer, settings)
     live.tokenizer = tokenizer
     return live
 
@@ -270,7 +272,8 @@ def wants_cross_tokenizer(cross_tokenizer: bool | None, student_tokenizer, teach
 def check_teacher_flags(teachers: tuple[TeacherSpec, ...], args, use_peft: bool) -> None:
     """The CLI's checks of the teacher flags that need no model (each kind's `check_flags`), several `teachers` (the
     run plan's) or the one of `args`: fail in seconds, before anything is loaded."""
-    specs = describe(teachers, args)
+    settings = TeacherSettings.of(args)
+    specs = describe(teachers, settings)
     if not specs:
         if args.alpha == 0:
             return  # cross-entropy only, as trl.SFTTrainer trains (`no_teacher`)
@@ -280,7 +283,7 @@ def check_teacher_flags(teachers: tuple[TeacherSpec, ...], args, use_peft: bool)
     for spec in specs:  # a cache or a server: no model is loaded here (with a server the name is the served one)
         check = teacher_kind(spec.kind).check_flags
         if check is not None:
-            check(spec, args, use_peft)
+            check(spec, settings, use_peft)
 
 
 def check_cacheable_teacher(args) -> None:

@@ -30,11 +30,11 @@ class SelfTeacher(TeacherSource, ScoresSamples, Samples, OwnRows):
     }
 
     @classmethod
-    def refuse(cls, args, *, eval_dataset=None, peft: bool = False) -> None:
+    def refuse(cls, settings, *, eval_dataset=None, peft: bool = False) -> None:
         if not peft:
             raise ValueError("teacher 'self' (self-distillation) uses the student's base model with its LoRA adapters "
                              "disabled, so it needs a PEFT student: pass `peft_config=` (CLI: --use_peft).")
-        super().refuse(args, eval_dataset=eval_dataset, peft=peft)
+        super().refuse(settings, eval_dataset=eval_dataset, peft=peft)
 
     def __init__(self):
         self.peft_model: nn.Module | None = None

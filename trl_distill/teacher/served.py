@@ -97,7 +97,7 @@ class ServedTeacher(TeacherSource, OwnBatch, ScoresSamples, SamplingServer, Writ
     def attach(self, context) -> None:
         """Check the server fits the run (its collator fetches every batch's signal)."""
         super().attach(context)
-        self.check(context.processing_class, context.vocab_size, context.args.max_length)
+        self.check(context.processing_class, context.vocab_size, context.plan.teacher_settings.max_length)
         if context.accelerator.is_main_process:
             logger.info("Distilling from the teacher %r served at %s: top-%d per loss token, %d requests in flight.",
                         self.name, self.client.url, self.top_k, self.concurrency)

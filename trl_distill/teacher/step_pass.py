@@ -94,7 +94,7 @@ class TeacherStepPass:
     def applies(self, batch_samples: list[dict]) -> bool:
         """Whether this step's teacher runs ahead. The same on every rank: the teacher's collectives must match."""
         run = self.context
-        if not (run.args.teacher_step_pass and batch_samples):
+        if not (run.plan.teacher_settings.step_pass and batch_samples):
             return False
         on_policy = run.plan.on_policy
         if on_policy.samples and completion_source(on_policy.lmbda, on_policy.seq_kd, on_policy.seed,
@@ -124,7 +124,7 @@ class TeacherStepPass:
         layout = layout if layout is not None else step_layout(masks)
         positions, width = layout.keep, layout.keep.numel()  # every position with a loss token in some row
         total = rows["input_ids"].shape[0]
-        size = min(run.args.teacher_batch_size or total, total)
+        size = min(run.plan.teacher_settings.batch_size or total, total)
         picked, head = [], None
         for start in range(0, size * self._forward_count(math.ceil(total / size)), size):
             stop = min(start + size, total)
@@ -146,7 +146,7 @@ class TeacherStepPass:
     def _forward_count(self, mine: int) -> int:
         """Forwards every rank runs: the most any rank needs (a partitioned teacher's gathers are collective)."""
         run = self.context
-        if run.num_processes == 1 or run.args.teacher_batch_size is None:
+        if run.num_processes == 1 or run.plan.teacher_settings.batch_size is None:
             return mine  # one forward per step on every rank
         counts = run.accelerator.gather(torch.tensor([mine], device=run.device))
         return int(counts.max())

@@ -21,20 +21,25 @@ TEACHER_PROMPT_REFUSAL = ("teacher_prompt gives the teacher its own prompt in pl
 """The modes the arguments alone decide (refused as the config is built)."""
 
 
-def active_modes(args, *, eval_dataset=None, peft: bool = False) -> list[Mode]:
-    """The modes this run uses: from its arguments, its eval split and whether the student is a PEFT model."""
+def active_modes(args) -> list[Mode]:
+    """The modes its arguments decide of a run (all but the eval split and LoRA, which the trainer's are)."""
     on = {
         "off-policy": args.lmbda < 1,
         "on-policy": args.lmbda > 0 or bool(args.seq_kd),
         "sampled-token": args.on_policy_objective == "sampled_token",
         "teacher-prompt": args.teacher_prompt is not None,
         "packing": bool(args.packing or args.padding_free),
-        "eval": eval_dataset is not None,
         "gradient accumulation": args.gradient_accumulation_steps > 1,
-        "LoRA": peft,
         "cross-tokenizer": bool(args.cross_tokenizer) or args.teacher_tokenizer_name_or_path is not None,
     }
-    return [mode for mode in MODES if on[mode]]
+    return [mode for mode in MODES if on.get(mode)]
+
+
+def run_modes(modes: tuple[Mode, ...], *, eval_dataset=None, peft: bool = False) -> list[Mode]:
+    """The modes this run uses: those its arguments decide (`modes`, `settings.TeacherSettings.modes`), its eval
+    split and whether the student is a PEFT model, in the order of `MODES`."""
+    on = {*modes, *(["eval"] if eval_dataset is not None else []), *(["LoRA"] if peft else [])}
+    return [mode for mode in MODES if mode in on]
 
 
 def matrix(kinds: dict[str, type]) -> dict[str, dict[Mode, str]]:
