@@ -48,8 +48,8 @@ ALLOWED = {
     "runtime/run_lock.py:take_run_lock": "collective: the config's device and distributed_state",
     "runtime/run_lock.py:_collective": "collective: the config's device and distributed_state",
     "loss/settings.py:LossSettings.of": "builds the plan's loss part (and the step's, from the config as it is now)",
-    "teacher/settings.py:TeacherSettings.of": "builds the plan's teacher part (and, for their checks before the plan, "
-                                              "refuse_unsupported's and the CLI's check_teacher_flags')",
+    "teacher/settings.py:TeacherSettings.of": "builds the plan's teacher part (and, for its check before the plan, "
+                                              "the CLI's check_teacher_flags')",
     "loss/sampled_token.py:SampledTokenSettings.of": "builds the plan's sampled-token part (OnPolicyPlan)",
     "rollout/sampling.py:Sampling.from_args": "builds the plan's sampling part",
     "cli/plan.py:_specs": "`trl-distill plan`'s own PlanArguments, not a DistillationConfig",

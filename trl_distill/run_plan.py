@@ -152,11 +152,12 @@ def resolve(args) -> RunPlan:
     teachers = check_teachers(args)  # several teachers: their entries, weights and modes
     check_objective_args(args)  # on the student's samples: a divergence, or the sampled-token objective
     check_teacher_prompt_args(args)  # a teacher that reads its own prompt
-    refuse_unsupported(args)  # what the run's kind of teacher refuses, where the arguments name both
+    teacher_settings = TeacherSettings.of(args)  # the plan's teacher part, made once
+    refuse_unsupported(args, teacher_settings)  # what the run's kind of teacher refuses, where the arguments name both
     for name in ("model_init_kwargs", "teacher_model_init_kwargs"):
         refuse_quantization_without_gpu(getattr(args, name), name)
     check_sequence_parallel_args(args)  # long rows split over ranks: what cannot combine, refused here
-    return _plan(args, *teachers)
+    return _plan(args, teacher_settings, *teachers)
 
 
 def _check_schedule(args) -> None:
@@ -170,7 +171,8 @@ def _check_schedule(args) -> None:
                          "output_dir): pass num_train_epochs > 0, or max_steps > 0.")
 
 
-def _plan(args, teachers: tuple[TeacherSpec, ...], weights: tuple[float, ...] | None) -> RunPlan:
+def _plan(args, teacher_settings: TeacherSettings, teachers: tuple[TeacherSpec, ...],
+          weights: tuple[float, ...] | None) -> RunPlan:
     """The run's plan from its checked arguments (and several teachers' specs and weights, parsed from them)."""
     # the eval completions' temperature: the field, else greedy for one generation, generation_temperature for n
     temperature = args.eval_temperature if args.eval_temperature is not None else \
@@ -184,7 +186,7 @@ def _plan(args, teachers: tuple[TeacherSpec, ...], weights: tuple[float, ...] | 
     return RunPlan(
         teachers=teachers,
         teacher_weights=weights,
-        teacher_settings=TeacherSettings.of(args),
+        teacher_settings=teacher_settings,
         loss=LossSettings.of(args, None),
         alpha=args.alpha,
         on_policy=OnPolicyPlan(args.lmbda, args.seq_kd, Sampling.from_args(args), args.on_policy_objective,

@@ -78,12 +78,12 @@ def support_matrix() -> dict[str, dict[str, str]]:
     return matrix(support_rows())
 
 
-def refuse_unsupported(args) -> None:
-    """As the config is built: one error for a setting the run's one teacher refuses, where the arguments alone
-    name its kind (a cache, a server; a model's kind waits for its tokenizer) and the mode."""
+def refuse_unsupported(args, settings: TeacherSettings) -> None:
+    """As the config is resolved: one error for a setting the run's one teacher refuses, where the arguments alone
+    name its kind (a cache, a server; a model's kind waits for its tokenizer) and the mode (`settings`: the plan's
+    teacher part of `args`)."""
     if args.teachers is not None:
         return  # several: `specs.check_teachers` has checked what the arguments decide
-    settings = TeacherSettings.of(args)
     for spec in describe((), settings):
         if teacher_kind(spec.kind).checked_early:
             kind = teacher_kind(spec.kind).source_class
