@@ -229,6 +229,26 @@ def test_accelerates_own_parallelism_config_gets_the_attention(monkeypatch):
     assert attention_implementation(args) == "sdpa" and args.teacher_model_init_kwargs is None  # (the plan's)
 
 
+def test_accelerates_own_parallelism_config_refuses_what_cannot_be_split(monkeypatch):
+    """The size given only in accelerate's `ParallelismConfig` (the field left at 1) refuses what the field's size
+    refuses: generation-based evaluation and a teacher's own prompt, one line each."""
+    from accelerate import ParallelismConfig
+
+    from trl_distill.evaluation.checks import check_generation_eval_args
+    from trl_distill.teacher.privileged import check_teacher_prompt_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    size_in_accelerate = dict(parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2))
+    evaluation = sp_args(1, **size_in_accelerate, num_generations_eval=1, eval_temperature=None,
+                         eval_max_new_tokens=None, eval_generation_prompts=None, eval_reward_funcs="exact_match",
+                         eval_answer_column=None, eval_answer_pattern=None, eval_packing=None)
+    with pytest.raises(ValueError, match=r"eval_reward_funcs\) with sequence_parallel_size > 1 is not supported"):
+        check_generation_eval_args(evaluation)
+    check_generation_eval_args(sp_args(1, **{**vars(evaluation), "parallelism_config": None}))  # without it: fine
+    prompt = sp_args(1, **size_in_accelerate, teacher_prompt="{prompt}")
+    with pytest.raises(ValueError, match="rows are split over ranks under sequence parallelism"):
+        check_teacher_prompt_args(prompt)
+
 def test_models_that_cannot_be_split_are_refused_before_loading():
     size = sequence_parallel_size(sp_args(4))
     tokenizer = build_tokenizer()
