@@ -26,8 +26,9 @@ quickstart: setup
 
 # The whole suite, the tests against a real vLLM server included (its own venv, built once by vllm-env), on 2 pytest-xdist
 # workers: the multi-process tests in two groups (with a vLLM server, without), each on one worker and its shared ranks
-# (tests/rank_pool.py); the one-process tests fill both. Ends with the 15 slowest tests and the total (846-876 s of
-# tests in the two latest fresh clones on 2 idle cores, FSDP2's tests included; 1044-1059 s with the venvs' set-up).
+# (tests/rank_pool.py); the one-process tests fill both. Ends with the 15 slowest tests and the total (872-900 s of
+# tests in the two latest fresh clones on 2 idle cores, the same tests a few seconds slower each in the second;
+# 1064-1071 s with the venvs' set-up): at the 15-minute budget, so a new test must make room.
 test: setup vllm-env
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadgroup --durations=15
 
